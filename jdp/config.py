@@ -1,0 +1,194 @@
+"""Framework defaults, config validation and the batch arithmetic.
+
+Experiment files start from `defaults()` and add their own `model` section.
+`validate()` runs before anything is compiled or written: every rule here
+raises `ConfigError` with one line naming the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import ml_collections
+
+BACKENDS = ("pjit", "pmap")
+COMPUTE_DTYPES = ("float32", "bfloat16")
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
+LR_SCALINGS = ("none", "linear", "sqrt")
+MESH_SHAPES = ("flat", "hybrid")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the field and the fix."""
+
+
+def defaults() -> ml_collections.ConfigDict:
+    """The framework's config keys with their defaults; experiments override them."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.batch_size = 128  # global: all hosts and devices together
+    c.eval_batch_size = 0  # 0 = batch_size
+    c.total_steps = 1000
+    c.log_every_steps = 50
+    c.eval_every_steps = 0  # 0 = only at the end
+    c.learning_rate = 1e-3  # at base_batch_size; see lr_scaling
+    c.lr_scaling = "none"
+    c.base_batch_size = 128
+    c.warmup_steps = 50
+    c.weight_decay = 1e-4
+    c.grad_clip_norm = 0.0  # 0 = no clipping
+    c.label_smoothing = 0.0
+    c.grad_accum_steps = 1
+    c.compute_dtype = "float32"
+    c.remat = "none"
+    c.crash_on_nan = True
+
+    c.data = ml_collections.ConfigDict()
+    c.data.name = "digits"
+    c.data.data_dir = ""  # "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
+    c.data.augment = False
+    c.data.num_threads = 4
+
+    c.parallel = ml_collections.ConfigDict()
+    c.parallel.backend = "pjit"
+    c.parallel.mesh = "flat"  # or "hybrid": hosts x local devices
+    c.parallel.shard_optimizer_state = False  # ZeRO-1 (pjit only)
+    c.parallel.shard_params = False  # FSDP-style params sharding (pjit only)
+    c.parallel.grad_reduce_dtype = "float32"
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every_steps = 0  # 0 = only at the end
+    c.checkpoint.max_to_keep = 3
+    c.checkpoint["async"] = True
+    c.checkpoint.init_from = ""
+    c.checkpoint.keep_best = ""  # e.g. "eval/accuracy"
+    c.checkpoint.keep_best_mode = "max"
+
+    c.watchdog_timeout_s = 600.0
+    return c
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """How one global batch is split over processes, devices and micro-batches."""
+
+    global_batch_size: int
+    process_count: int
+    device_count: int
+    grad_accum_steps: int
+
+    @property
+    def per_process_batch_size(self) -> int:
+        return self.global_batch_size // self.process_count
+
+    @property
+    def per_device_batch_size(self) -> int:
+        return self.global_batch_size // self.device_count
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Examples per device in one accumulation micro-step."""
+        return self.per_device_batch_size // self.grad_accum_steps
+
+
+def _fail(field: str, value, why: str, fix: str) -> None:
+    raise ConfigError(f"config.{field}={value!r}: {why}. Fix: {fix}.")
+
+
+def _check_choice(config: ml_collections.ConfigDict, field: str, choices) -> None:
+    value = config
+    for part in field.split("."):
+        value = value[part]
+    if value not in choices:
+        _fail(field, value, "unknown value", f"use one of {', '.join(map(repr, choices))}")
+
+
+def _check_positive(config: ml_collections.ConfigDict, field: str, allow_zero=False) -> None:
+    value = config
+    for part in field.split("."):
+        value = value[part]
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        _fail(field, value, f"must be {bound}", f"pass --config.{field}=<a value {bound}>")
+
+
+def batch_plan(
+    global_batch_size: int, grad_accum_steps: int, device_count: int, process_count: int
+) -> BatchPlan:
+    """Checks the batch arithmetic; every later size is derived from the global batch."""
+    if global_batch_size % device_count:
+        lower = global_batch_size - global_batch_size % device_count
+        _fail(
+            "batch_size",
+            global_batch_size,
+            f"the global batch must be divisible by the device count ({device_count})",
+            f"use a multiple of {device_count}, e.g. --config.batch_size={lower or device_count}",
+        )
+    per_device = global_batch_size // device_count
+    if per_device % grad_accum_steps:
+        _fail(
+            "grad_accum_steps",
+            grad_accum_steps,
+            f"must divide the per-device batch ({global_batch_size} / {device_count} devices "
+            f"= {per_device})",
+            f"use a divisor of {per_device}, or a batch_size that is a multiple of "
+            f"{device_count * grad_accum_steps}",
+        )
+    return BatchPlan(global_batch_size, process_count, device_count, grad_accum_steps)
+
+
+def validate(config: ml_collections.ConfigDict, device_count: int, process_count: int) -> BatchPlan:
+    """Checks everything that can be checked without data or compilation."""
+    from jdp.models.remat import REMAT_POLICIES
+
+    for field in ("batch_size", "total_steps", "log_every_steps", "grad_accum_steps",
+                  "base_batch_size", "learning_rate"):
+        _check_positive(config, field)
+    for field in ("eval_every_steps", "warmup_steps", "eval_batch_size", "weight_decay",
+                  "grad_clip_norm", "checkpoint.every_steps", "watchdog_timeout_s"):
+        _check_positive(config, field, allow_zero=True)
+    _check_choice(config, "parallel.backend", BACKENDS)
+    _check_choice(config, "parallel.mesh", MESH_SHAPES)
+    _check_choice(config, "parallel.grad_reduce_dtype", GRAD_REDUCE_DTYPES)
+    _check_choice(config, "compute_dtype", COMPUTE_DTYPES)
+    _check_choice(config, "lr_scaling", LR_SCALINGS)
+    _check_choice(config, "remat", REMAT_POLICIES)
+    _check_choice(config, "checkpoint.keep_best_mode", ("max", "min"))
+    if config.parallel.backend == "pmap":
+        for field in ("shard_optimizer_state", "shard_params"):
+            if config.parallel[field]:
+                _fail(f"parallel.{field}", True, "the pmap backend keeps a full replica of the "
+                      "state on every device", "use --config.parallel.backend=pjit to shard it")
+    if config.warmup_steps >= config.total_steps:
+        _fail("warmup_steps", config.warmup_steps,
+              f"must be below total_steps ({config.total_steps})", "shorten the warmup")
+
+    from jdp.data import datasets
+
+    datasets.spec(config.data.name)  # raises ConfigError for an unknown dataset
+
+    plan = batch_plan(config.batch_size, config.grad_accum_steps, device_count, process_count)
+    eval_batch = config.eval_batch_size or config.batch_size
+    if eval_batch % device_count:
+        _fail("eval_batch_size", eval_batch,
+              f"must be divisible by the device count ({device_count})",
+              f"use a multiple of {device_count}")
+    return plan
+
+
+def scaled_learning_rate(
+    learning_rate: float, lr_scaling: str, global_batch_size: int, base_batch_size: int
+) -> float:
+    """The peak learning rate for this batch size.
+
+    `learning_rate` is the rate tuned at `base_batch_size`. 'linear' scales it by
+    batch/base (Goyal et al., 2017, for SGD), 'sqrt' by sqrt(batch/base) (the rule
+    usually used for Adam-type optimizers), 'none' keeps it as given.
+    """
+    ratio = global_batch_size / base_batch_size
+    if lr_scaling == "linear":
+        return learning_rate * ratio
+    if lr_scaling == "sqrt":
+        return learning_rate * math.sqrt(ratio)
+    return learning_rate

@@ -1,0 +1,3 @@
+"""Input data: TFDS sources (the built-in `digits` among them), the global-index
+sampler that makes the example stream independent of the topology, and
+preprocessing."""

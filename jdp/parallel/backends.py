@@ -1,0 +1,250 @@
+"""The pmap and pjit backends behind one small interface.
+
+Both keep the canonical ("global") form of the state as global jax.Arrays
+with NamedShardings over the mesh: that is what initialisation produces and
+what checkpoints and evaluation see. Each backend converts to its own
+working layout and back.
+
+- pjit: `jax.jit` over the global state and batch. The gradient computation
+  runs per device under `shard_map` (so accumulation and the reduction dtype
+  are explicit and there is one gradient all-reduce); the optimizer update,
+  ZeRO/FSDP sharding and evaluation are partitioned by XLA.
+- pmap: a full replica of the state on each local device with a leading
+  device axis; gradients reduced with an explicit `pmean` over `data`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jdp import DATA_AXIS
+from jdp import mesh as mesh_lib
+from jdp.modeling import Model
+from jdp.parallel import step as step_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    accum_steps: int = 1
+    reduce_dtype: str = "float32"
+    label_smoothing: float = 0.0
+    shard_optimizer_state: bool = False  # ZeRO-1
+    shard_params: bool = False  # FSDP-style
+
+
+def _replicated_sharding_tree(mesh: Mesh, tree):
+    return jax.tree.map(lambda _: mesh_lib.replicated(mesh), tree)
+
+
+class Backend:
+    """What the trainer needs from a parallel backend."""
+
+    name: str
+
+    def __init__(self, mesh: Mesh, model: Model, tx: optax.GradientTransformation,
+                 options: StepOptions):
+        self.mesh = mesh
+        self.model = model
+        self.tx = tx
+        self.options = options
+
+    # -- state: the canonical form is global arrays over the mesh ----------------
+    def global_shardings(self, abstract_state: step_lib.TrainState):
+        """Shardings of the canonical state (what init produces and checkpoints hold)."""
+        mesh, opts = self.mesh, self.options
+
+        def shard(tree, on: bool):
+            return jax.tree.map(lambda x: mesh_lib.state_leaf_sharding(mesh, x, on), tree)
+
+        return step_lib.TrainState(
+            step=mesh_lib.replicated(mesh),
+            params=shard(abstract_state.params, opts.shard_params),
+            model_state=_replicated_sharding_tree(mesh, abstract_state.model_state),
+            opt_state=shard(abstract_state.opt_state,
+                            opts.shard_optimizer_state or opts.shard_params),
+            rng=mesh_lib.replicated(mesh),
+        )
+
+    def abstract_state(self, rng: jax.Array, sample_images) -> step_lib.TrainState:
+        """Shapes, dtypes and canonical shardings of the state, without computing it."""
+        init = functools.partial(step_lib.init_state, self.model, self.tx)
+        shapes = jax.eval_shape(init, rng, sample_images)
+        shardings = self.global_shardings(shapes)
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+    def init_global(self, rng: jax.Array, sample_images) -> step_lib.TrainState:
+        """The initial state, created directly with its shardings (nothing on one device first)."""
+        init = functools.partial(step_lib.init_state, self.model, self.tx)
+        shardings = self.global_shardings(jax.eval_shape(init, rng, sample_images))
+        return jax.jit(init, out_shardings=shardings)(rng, sample_images)
+
+    def from_global(self, state):
+        return state
+
+    def to_global(self, state):
+        return state
+
+    # -- steps ---------------------------------------------------------------
+    def put_batch(self, local_batch: dict[str, np.ndarray]):
+        raise NotImplementedError
+
+    def train_step(self, state, batch):
+        raise NotImplementedError
+
+    def eval_step(self, state, batch) -> dict:
+        raise NotImplementedError
+
+    def compiled_train_step(self, state, batch):
+        """The compiled train step, for memory_analysis() and HLO inspection."""
+        raise NotImplementedError
+
+    def fetch(self, tree) -> Any:
+        """Replicated device values -> host numpy (blocks)."""
+        raise NotImplementedError
+
+
+class PjitBackend(Backend):
+    name = "pjit"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._train_step = None
+        self._eval_step = jax.jit(functools.partial(step_lib.eval_sums, self.model))
+
+    def put_batch(self, local_batch):
+        sharding = mesh_lib.batch_sharding(self.mesh)
+        process_rows = next(iter(local_batch.values())).shape[0]
+        global_rows = process_rows * self.mesh.size // len(self.mesh.local_devices)
+        return {
+            key: jax.make_array_from_process_local_data(
+                sharding, value, (global_rows, *value.shape[1:]))
+            for key, value in local_batch.items()
+        }
+
+    def _step_fn(self):
+        opts, model, mesh = self.options, self.model, self.mesh
+
+        def device_grads(params, model_state, batch, rng, step):
+            return step_lib.device_gradients(
+                model, params, model_state, batch, step_lib.step_rng(rng, step),
+                accum_steps=opts.accum_steps, reduce_dtype=jnp.dtype(opts.reduce_dtype),
+                label_smoothing=opts.label_smoothing)
+
+        def train_step(state, batch):
+            grads, model_state, metrics = jax.shard_map(
+                device_grads, mesh=mesh,
+                in_specs=(P(), P(), P(DATA_AXIS), P(), P()),
+                out_specs=(P(), P(), P()),
+            )(state.params, state.model_state, batch, state.rng, state.step)
+            return step_lib.apply_gradients(self.tx, state, grads, model_state), metrics
+
+        return train_step
+
+    def _jitted(self, state):
+        if self._train_step is None:
+            state_shardings = jax.tree.map(lambda x: x.sharding, state)
+            self._train_step = jax.jit(
+                self._step_fn(),
+                in_shardings=(state_shardings, mesh_lib.batch_sharding(self.mesh)),
+                out_shardings=(state_shardings, mesh_lib.replicated(self.mesh)),
+                donate_argnums=0,
+            )
+        return self._train_step
+
+    def train_step(self, state, batch):
+        return self._jitted(state)(state, batch)
+
+    def compiled_train_step(self, state, batch):
+        return self._jitted(state).lower(state, batch).compile()
+
+    def eval_step(self, state, batch):
+        return self._eval_step(state, batch)
+
+    def fetch(self, tree):
+        return jax.device_get(tree)
+
+
+class PmapBackend(Backend):
+    name = "pmap"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.local_devices = [d for d in self.mesh.devices.flat
+                              if d.process_index == jax.process_index()]
+        self._local_mesh = Mesh(np.asarray(self.local_devices), (DATA_AXIS,))
+        opts, model = self.options, self.model
+
+        def train_step(state, batch):
+            grads, model_state, metrics = step_lib.device_gradients(
+                model, state.params, state.model_state, batch,
+                step_lib.step_rng(state.rng, state.step),
+                accum_steps=opts.accum_steps, reduce_dtype=jnp.dtype(opts.reduce_dtype),
+                label_smoothing=opts.label_smoothing)
+            return step_lib.apply_gradients(self.tx, state, grads, model_state), metrics
+
+        def eval_step(state, batch):
+            return jax.lax.psum(step_lib.eval_sums(model, state, batch), DATA_AXIS)
+
+        self._train_step = jax.pmap(train_step, axis_name=DATA_AXIS, donate_argnums=0,
+                                    devices=self.local_devices)
+        self._eval_step = jax.pmap(eval_step, axis_name=DATA_AXIS, devices=self.local_devices)
+
+    def from_global(self, state):
+        """Replicated global arrays -> one replica per local device, stacked on axis 0."""
+        sharding = NamedSharding(self._local_mesh, P(DATA_AXIS))
+
+        def stack(x):
+            x = jax.device_put(x, mesh_lib.replicated(self.mesh))  # gathers ZeRO-sharded leaves
+            by_device = {s.device: s.data for s in x.addressable_shards}
+            replicas = [by_device[d][None] for d in self.local_devices]
+            return jax.make_array_from_single_device_arrays(
+                (len(replicas), *x.shape), sharding, replicas)
+
+        return jax.tree.map(stack, state)
+
+    def to_global(self, state):
+        """The per-device replicas -> replicated global arrays over the whole mesh."""
+        sharding = mesh_lib.replicated(self.mesh)
+
+        def unstack(x):
+            replicas = [s.data[0] for s in x.addressable_shards]
+            return jax.make_array_from_single_device_arrays(x.shape[1:], sharding, replicas)
+
+        return jax.tree.map(unstack, state)
+
+    def put_batch(self, local_batch):
+        sharding = NamedSharding(self._local_mesh, P(DATA_AXIS))
+        count = len(self.local_devices)
+        return {key: jax.device_put(value.reshape(count, -1, *value.shape[1:]), sharding)
+                for key, value in local_batch.items()}
+
+    def train_step(self, state, batch):
+        return self._train_step(state, batch)
+
+    def compiled_train_step(self, state, batch):
+        return self._train_step.lower(state, batch).compile()
+
+    def eval_step(self, state, batch):
+        return self._eval_step(state, batch)
+
+    def fetch(self, tree):
+        # Every replica holds the same (reduced) value: read the first.
+        return jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data[0]), tree)
+
+
+BACKENDS = {"pjit": PjitBackend, "pmap": PmapBackend}
+
+
+def make_backend(name: str, mesh: Mesh, model: Model, tx: optax.GradientTransformation,
+                 options: StepOptions) -> Backend:
+    return BACKENDS[name](mesh, model, tx, options)

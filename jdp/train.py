@@ -1,0 +1,161 @@
+"""The trainer: `train_and_evaluate(config, workdir, experiment)`.
+
+One long function in titled sections (mesh, data, model and state, compile,
+loop, final evaluation); the helpers around it are small. The loop never
+waits for the device except where it must: metrics are read one step late,
+batches are prefetched onto the devices.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import numpy as np
+from absl import logging
+
+from jdp import mesh as mesh_lib
+from jdp import metrics as metrics_lib
+from jdp import modeling, optim
+from jdp.config import BatchPlan
+from jdp.data import datasets, pipeline
+from jdp.experiment import Experiment
+from jdp.parallel import Backend, StepOptions, make_backend
+
+
+def _should(step: int, every: int, total: int) -> bool:
+    """Periodic events happen every `every` steps (0 = never) and always at the end."""
+    return step == total or (every > 0 and step % every == 0)
+
+
+def evaluate(backend: Backend, state, source, preprocess, *, global_batch_size: int,
+             rows: slice, num_threads: int) -> dict[str, float]:
+    """Loss and accuracy over the whole split: every example exactly once."""
+    totals = None
+    batches = pipeline.eval_batches(source, preprocess, global_batch_size=global_batch_size,
+                                    rows=rows, num_threads=num_threads)
+    for local_batch in batches:
+        sums = backend.eval_step(state, backend.put_batch(local_batch))
+        totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
+    totals = backend.fetch(totals)
+    count = float(totals["count"])
+    return {"eval/loss": float(totals["loss_sum"]) / count,
+            "eval/accuracy": float(totals["correct"]) / count,
+            "eval/num_examples": count}
+
+
+def _log_compiled(compiled) -> None:
+    memory = compiled.memory_analysis()
+    if memory is not None:
+        logging.info("compiled train step, per device: arguments %.1f MiB, outputs %.1f MiB, "
+                     "temporaries %.1f MiB", memory.argument_size_in_bytes / 2**20,
+                     memory.output_size_in_bytes / 2**20, memory.temp_size_in_bytes / 2**20)
+
+
+def train_and_evaluate(config, workdir: str, experiment: Experiment, model: modeling.Model,
+                       plan: BatchPlan) -> dict:
+    """Trains `experiment` as configured; returns the final evaluation metrics."""
+    is_writer = jax.process_index() == 0
+
+    # -- 1. Mesh and the batch layout ------------------------------------------
+    mesh = mesh_lib.make_mesh(config.parallel.mesh)
+    rows = mesh_lib.process_rows(mesh, plan.global_batch_size)
+    eval_batch_size = config.eval_batch_size or plan.global_batch_size
+    eval_rows = mesh_lib.process_rows(mesh, eval_batch_size)
+    logging.info("mesh %s over %d devices in %d processes; global batch %d = %d per process "
+                 "= %d per device x %d accumulation steps", dict(mesh.shape), mesh.size,
+                 jax.process_count(), plan.global_batch_size, plan.per_process_batch_size,
+                 plan.micro_batch_size, plan.grad_accum_steps)
+
+    # -- 2. Data: this process's rows of each global batch -----------------------
+    dataset = datasets.spec(config.data.name)
+    data_dir = datasets.resolve_data_dir(config.data.data_dir)
+    train_source = datasets.open_split(dataset.name, data_dir, dataset.train_split)
+    eval_source = datasets.open_split(dataset.name, data_dir, dataset.eval_split)
+    train_preprocess = datasets.make_preprocess(dataset, train=True, augment=config.data.augment)
+    eval_preprocess = datasets.make_preprocess(dataset, train=False, augment=False)
+    stream = pipeline.example_stream(train_source, train_preprocess, config.seed)
+    sample = eval_preprocess(eval_source[0], None)
+    sample_images = np.zeros((1, *sample["image"].shape), np.float32)
+
+    # -- 3. Model, optimizer, backend and the initial state ----------------------
+    learning_rate = optim.learning_rate_fn(config)
+    tx = experiment.build_optimizer(config, learning_rate)
+    backend = make_backend(config.parallel.backend, mesh, model, tx, StepOptions(
+        accum_steps=config.grad_accum_steps,
+        reduce_dtype=config.parallel.grad_reduce_dtype,
+        label_smoothing=config.label_smoothing,
+        shard_optimizer_state=config.parallel.shard_optimizer_state,
+        shard_params=config.parallel.shard_params,
+    ))
+    rng = jax.random.key(config.seed)
+    state = backend.init_global(rng, sample_images)
+    start_step = int(jax.device_get(state.step))
+    num_params = sum(x.size for x in jax.tree.leaves(state.params))
+    logging.info("model has %s parameters; peak learning rate %.3g (lr_scaling=%s)",
+                 f"{num_params:,}", optim.peak_learning_rate(config), config.lr_scaling)
+    state = backend.from_global(state)
+
+    # -- 4. Input stream from the current step, and the compiled step ------------
+    total_steps = config.total_steps
+    batches = pipeline.Prefetcher(
+        pipeline.train_batches(stream, global_batch_size=plan.global_batch_size, rows=rows,
+                               start_step=start_step, num_steps=total_steps - start_step,
+                               num_threads=config.data.num_threads),
+        backend.put_batch)
+    writer = metrics_lib.JsonlWriter(os.path.join(workdir, "metrics.jsonl"), enabled=is_writer,
+                                     resume_step=start_step)
+    timer = metrics_lib.StepTimer(plan.global_batch_size, total_steps)
+
+    def run_eval(step, state) -> dict:
+        result = evaluate(backend, state, eval_source, eval_preprocess,
+                          global_batch_size=eval_batch_size, rows=eval_rows,
+                          num_threads=config.data.num_threads)
+        metrics_lib.log_eval(step, result)
+        writer.write(step, result)
+        return result
+
+    def report(step, metrics) -> None:
+        values = {f"train/{k}": float(v) for k, v in backend.fetch(metrics).items()}
+        if config.crash_on_nan and not np.isfinite(values["train/loss"]):
+            raise FloatingPointError(
+                f"train/loss is {values['train/loss']} at step {step}. Fix: lower "
+                "--config.learning_rate, set --config.grad_clip_norm, or use float32 compute.")
+        values["train/learning_rate"] = float(learning_rate(step - 1))
+        values.update(timer.lap(step))
+        metrics_lib.log_train(step, total_steps, values,
+                              timer.eta_s(step, values["train/step_time_s"]))
+        writer.write(step, values)
+
+    # -- 5. The loop -------------------------------------------------------------
+    final_eval: dict = {}
+    pending = None  # (step, device metrics) of a log step, read after the next dispatch
+    try:
+        if start_step < total_steps:
+            first_batch = next(batches)
+            t0 = time.monotonic()
+            compiled = backend.compiled_train_step(state, first_batch)
+            logging.info("compiled the train step in %.1f s", time.monotonic() - t0)
+            _log_compiled(compiled)
+            timer.start(start_step)
+        for step in range(start_step, total_steps):
+            batch = first_batch if step == start_step else next(batches)
+            state, metrics = compiled(state, batch)
+            done = step + 1
+            if pending is not None:
+                report(*pending)
+            pending = (done, metrics) if _should(done, config.log_every_steps, total_steps) \
+                else None
+            if _should(done, config.eval_every_steps, total_steps):
+                if pending is not None:
+                    report(*pending)
+                    pending = None
+                final_eval = run_eval(done, state)
+        if pending is not None:
+            report(*pending)
+    finally:
+        batches.close()
+    if not final_eval:  # resumed at the end: evaluate what was restored
+        final_eval = run_eval(total_steps, state)
+    return final_eval
