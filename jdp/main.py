@@ -25,22 +25,21 @@ class UsageError(Exception):
     """A bad command line or environment: reported as one line, exit status 2."""
 
 
-def _check_workdir(workdir: str) -> None:
-    """Fails before anything is written if the workdir cannot be created or written."""
-    path = os.path.abspath(workdir)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"--workdir={workdir!r} exists and is not a directory. "
-                         "Fix: pass a directory path.")
-    existing = path
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"--workdir={workdir!r} is not writable ({existing!r} does not allow "
-                         "writing). Fix: choose a directory you can write to.")
+def _make_workdir(workdir: str) -> None:
+    """Creates the workdir, the last check before anything is written into it."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, ".jdp_write_test")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise UsageError(f"--workdir={workdir!r} is not a writable directory ({e.strerror}). "
+                         "Fix: choose a directory you can create and write to.") from e
 
 
-def run(config, config_path: str, workdir: str) -> dict:
-    """Everything after flag parsing; tests call this directly."""
+def run(config, config_path: str, workdir: str, devices=None):
+    """Everything after flag parsing; tests call this directly. Returns a train.TrainResult."""
     import jax
 
     from jdp import config as config_lib
@@ -49,16 +48,16 @@ def run(config, config_path: str, workdir: str) -> dict:
     from jdp.data import datasets
 
     experiment = experiment_lib.load(config_path)
-    plan = config_lib.validate(config, jax.device_count(), jax.process_count())
-    _check_workdir(workdir)
+    device_count = jax.device_count() if devices is None else len(devices)
+    plan = config_lib.validate(config, device_count, jax.process_count())
     model = _build_model(experiment, config)
     datasets.check_prepared(config.data.name, datasets.resolve_data_dir(config.data.data_dir))
 
     if jax.process_index() == 0:
-        os.makedirs(workdir, exist_ok=True)
+        _make_workdir(workdir)
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
-    return train.train_and_evaluate(config, workdir, experiment, model, plan)
+    return train.train_and_evaluate(config, workdir, experiment, model, plan, devices)
 
 
 def _build_model(experiment, config):
@@ -74,6 +73,19 @@ def _build_model(experiment, config):
         raise ConfigError(f"building the model from {experiment.path}: {e}") from e
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing with one-line errors for bad overrides instead of tracebacks."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        _fail(f"{e}. Fix: pass a value of the field's type (see the experiment's get_config).")
+    except AttributeError as e:  # ConfigDict: an override naming no existing field
+        name, _, hint = str(e).strip("'").replace("\\'", "'").partition("\\n")
+        _fail(f"unknown config field {name} in a --config override. {hint} Fix: override only "
+              "fields that the experiment's config defines (listed in <workdir>/config.json).")
+    return []
+
+
 def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -86,7 +98,7 @@ def main(argv) -> None:
         result = run(_CONFIG.value, config_path, _WORKDIR.value)
     except (ConfigError, UsageError) as e:
         _fail(str(e))
-    logging.info("final evaluation: %s", json.dumps(result))
+    logging.info("final evaluation: %s", json.dumps(result.eval_metrics))
 
 
 def _fail(message: str) -> None:
@@ -96,4 +108,4 @@ def _fail(message: str) -> None:
 
 if __name__ == "__main__":
     flags.mark_flag_as_required("config")
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

@@ -51,18 +51,22 @@ def from_nnx(factory: Callable[[nnx.Rngs], nnx.Module]) -> Model:
     """An NNX module built by `factory(rngs)`, switched with .train()/.eval()."""
     graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))), nnx.Param, ...)
 
+    # Params and state cross jit boundaries as pure dicts of arrays: NNX Variable
+    # objects may only be mutated in the trace that created them.
+    def split(module):
+        _, params, rest = nnx.split(module, nnx.Param, ...)
+        return nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+
     def init(rng, images):
         del images  # NNX modules are built with their shapes
-        _, params, rest = nnx.split(factory(nnx.Rngs(rng)), nnx.Param, ...)
-        return params, rest
+        return split(factory(nnx.Rngs(rng)))
 
     def apply(params, model_state, images, train, rng):
         del rng  # NNX modules carry their own RNG streams in model_state
         module = nnx.merge(graphdef, params, model_state)
         module.train() if train else module.eval()
         logits = module(images)
-        _, _, rest = nnx.split(module, nnx.Param, ...)
-        return logits, rest
+        return logits, split(module)[1]
 
     return Model(init, apply)
 

@@ -8,6 +8,7 @@ batches are prefetched onto the devices.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -21,7 +22,7 @@ from jdp import modeling, optim
 from jdp.config import BatchPlan
 from jdp.data import datasets, pipeline
 from jdp.experiment import Experiment
-from jdp.parallel import Backend, StepOptions, make_backend
+from jdp.parallel import Backend, StepOptions, TrainState, make_backend
 
 
 def _should(step: int, every: int, total: int) -> bool:
@@ -53,13 +54,19 @@ def _log_compiled(compiled) -> None:
                      memory.output_size_in_bytes / 2**20, memory.temp_size_in_bytes / 2**20)
 
 
+@dataclasses.dataclass
+class TrainResult:
+    eval_metrics: dict[str, float]  # the final evaluation
+    state: TrainState  # the final state, as global arrays whichever backend trained
+
+
 def train_and_evaluate(config, workdir: str, experiment: Experiment, model: modeling.Model,
-                       plan: BatchPlan) -> dict:
-    """Trains `experiment` as configured; returns the final evaluation metrics."""
+                       plan: BatchPlan, devices=None) -> TrainResult:
+    """Trains `model` as configured on `devices` (default: all devices of all processes)."""
     is_writer = jax.process_index() == 0
 
     # -- 1. Mesh and the batch layout ------------------------------------------
-    mesh = mesh_lib.make_mesh(config.parallel.mesh)
+    mesh = mesh_lib.make_mesh(config.parallel.mesh, devices)
     rows = mesh_lib.process_rows(mesh, plan.global_batch_size)
     eval_batch_size = config.eval_batch_size or plan.global_batch_size
     eval_rows = mesh_lib.process_rows(mesh, eval_batch_size)
@@ -158,4 +165,4 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, model: mode
         batches.close()
     if not final_eval:  # resumed at the end: evaluate what was restored
         final_eval = run_eval(total_steps, state)
-    return final_eval
+    return TrainResult(final_eval, backend.to_global(state))

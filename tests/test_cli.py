@@ -1,0 +1,63 @@
+"""`python -m jdp.main` as a user runs it: bad input fails with one clear line, exit
+status 2, and nothing written to the workdir."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_main(*args, devices=8, timeout=300):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-m", "jdp.main", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+BAD_INPUTS = {
+    "batch_not_divisible": (
+        ["--config.batch_size=100"],
+        ["config.batch_size=100", "device count (8)", "--config.batch_size=96"]),
+    "accumulation_not_dividing": (["--config.grad_accum_steps=3"],
+                                  ["config.grad_accum_steps=3", "per-device batch"]),
+    "unknown_override_key": (["--config.batch_sise=64"], ["'batch_sise'", "batch_size"]),
+    "wrong_value_type": (["--config.batch_size=big"], ["--config.batch_size=big", "int"]),
+    "unknown_dataset": (["--config.data.name=mnist2"], ["config.data.name='mnist2'", "'digits'"]),
+    "unknown_model_size": (["--config.model.size=huge"], ["model.size='huge'", "nano"]),
+    "unknown_backend": (["--config.parallel.backend=horovod"],
+                        ["config.parallel.backend='horovod'", "'pmap'"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_fails_cleanly_with_nothing_written(case, tmp_path):
+    overrides, expected = BAD_INPUTS[case]
+    workdir = tmp_path / "run"
+    proc = run_main("--config=experiments/vit.py", f"--workdir={workdir}", *overrides)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("jdp: error:"), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    for fragment in expected:
+        assert fragment in last_line
+    assert not workdir.exists()
+
+
+def test_missing_experiment_file_fails_cleanly(tmp_path):
+    workdir = tmp_path / "run"
+    proc = run_main("--config=experiments/no_such.py", f"--workdir={workdir}")
+    assert proc.returncode == 2
+    assert "experiments/no_such.py" in proc.stderr and "no such experiment file" in proc.stderr
+    assert not workdir.exists()
+
+
+def test_unwritable_workdir_fails_cleanly(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    proc = run_main("--config=experiments/vit.py", f"--workdir={blocker}/run")
+    assert proc.returncode == 2
+    assert f"--workdir='{blocker}/run'" in proc.stderr and "not a writable directory" in proc.stderr
+    assert blocker.read_text() == ""

@@ -1,0 +1,111 @@
+"""The sampler: global batch s is a pure function of (seed, s), split by rows over processes;
+evaluation covers every example exactly once."""
+
+import numpy as np
+import pytest
+
+from jdp.data import datasets, pipeline
+
+NUM_EXAMPLES = 50
+
+
+def fake_source(n=NUM_EXAMPLES):
+    return [{"image": np.full((2, 2, 1), i, np.uint8), "label": i} for i in range(n)]
+
+
+def identity(example, rng):
+    out = {"image": example["image"].astype(np.float32), "label": np.int32(example["label"])}
+    if rng is not None:  # augmentation stand-in: a draw from the per-example generator
+        out["noise"] = np.float32(rng.random())
+    return out
+
+
+def batches(seed, rows, global_batch_size=8, start_step=0, num_steps=12):
+    stream = pipeline.example_stream(fake_source(), identity, seed)
+    return list(pipeline.train_batches(stream, global_batch_size=global_batch_size, rows=rows,
+                                       start_step=start_step, num_steps=num_steps,
+                                       num_threads=2))
+
+
+def test_same_seed_gives_the_same_batches():
+    first, second = batches(0, slice(0, 8)), batches(0, slice(0, 8))
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(a["label"], b["label"])
+        np.testing.assert_array_equal(a["noise"], b["noise"])
+
+
+def test_another_seed_gives_another_order():
+    first, second = batches(0, slice(0, 8)), batches(1, slice(0, 8))
+    assert any((a["label"] != b["label"]).any() for a, b in zip(first, second, strict=True))
+
+
+def test_each_epoch_is_a_permutation_and_epochs_differ():
+    labels = np.concatenate([b["label"] for b in batches(0, slice(0, 10), 10, num_steps=10)])
+    first, second = labels[:NUM_EXAMPLES], labels[NUM_EXAMPLES:]
+    assert sorted(first) == list(range(NUM_EXAMPLES)) == sorted(second)
+    assert (first != second).any()
+
+
+@pytest.mark.parametrize("process_count", [2, 4])
+def test_rows_of_all_processes_make_up_exactly_the_global_batch(process_count):
+    whole = batches(3, slice(0, 8))
+    rows_per_process = 8 // process_count
+    parts = [batches(3, slice(p * rows_per_process, (p + 1) * rows_per_process))
+             for p in range(process_count)]
+    for step, batch in enumerate(whole):
+        for key in ("label", "noise"):  # the augmentation draw follows the example too
+            joined = np.concatenate([part[step][key] for part in parts])
+            np.testing.assert_array_equal(joined, batch[key])
+
+
+def test_starting_at_a_step_continues_the_same_stream():
+    full = batches(5, slice(0, 8), num_steps=12)
+    resumed = batches(5, slice(0, 8), start_step=7, num_steps=5)
+    for a, b in zip(full[7:], resumed, strict=True):
+        np.testing.assert_array_equal(a["label"], b["label"])
+        np.testing.assert_array_equal(a["noise"], b["noise"])
+
+
+@pytest.mark.parametrize("process_count", [1, 2])
+def test_evaluation_sees_every_example_exactly_once(process_count):
+    global_batch_size = 16  # 50 examples: 4 batches, the last padded with 14 masked rows
+    rows_per_process = global_batch_size // process_count
+    seen = []
+    num_batches = []
+    for p in range(process_count):
+        rows = slice(p * rows_per_process, (p + 1) * rows_per_process)
+        local = list(pipeline.eval_batches(fake_source(), identity,
+                                           global_batch_size=global_batch_size, rows=rows))
+        num_batches.append(len(local))
+        for batch in local:
+            assert batch["label"].shape == (rows_per_process,)
+            seen.extend(batch["label"][batch["mask"] == 1].tolist())
+    assert len(set(num_batches)) == 1, "every process must run the same number of eval steps"
+    assert sorted(seen) == list(range(NUM_EXAMPLES))
+
+
+def test_digits_is_a_real_tfds_dataset(tmp_path):
+    data_dir = str(tmp_path)
+    datasets.check_prepared("digits", data_dir)
+    train = datasets.open_split("digits", data_dir, "train")
+    test = datasets.open_split("digits", data_dir, "test")
+    assert (len(train), len(test)) == (1437, 360)
+    example = train[0]
+    assert example["image"].shape == (8, 8, 1) and example["image"].dtype == np.uint8
+    assert 0 <= int(example["label"]) < 10
+
+
+def test_a_missing_tfds_dataset_names_it_and_the_data_dir(tmp_path):
+    with pytest.raises(datasets.ConfigError, match=rf"'cifar10'.*{tmp_path}.*tfds build cifar10"):
+        datasets.check_prepared("cifar10", str(tmp_path))
+
+
+def test_preprocessing_normalises_and_augments_within_the_image():
+    spec = datasets.spec("digits")
+    example = {"image": np.full((8, 8, 1), 255, np.uint8), "label": 3}
+    plain = datasets.make_preprocess(spec, train=False, augment=False)(example, None)
+    assert plain["image"].dtype == np.float32 and plain["image"].shape == (8, 8, 1)
+    np.testing.assert_allclose(plain["image"], 1.0)  # (1 - 0.5) / 0.5
+    augmented = datasets.make_preprocess(spec, train=True, augment=True)(
+        example, np.random.default_rng(0))
+    assert augmented["image"].shape == (8, 8, 1)
