@@ -22,7 +22,7 @@ from jdp import modeling, optim
 from jdp.config import BatchPlan
 from jdp.data import datasets, pipeline
 from jdp.experiment import Experiment
-from jdp.parallel import Backend, StepOptions, TrainState, make_backend
+from jdp.parallel import Backend, StepOptions, TrainState, compiler_options, make_backend
 
 
 def _should(step: int, every: int, total: int) -> bool:
@@ -60,6 +60,18 @@ class TrainResult:
     state: TrainState  # the final state, as global arrays whichever backend trained
 
 
+def build_backend(config, mesh, model: modeling.Model, tx) -> Backend:
+    """The configured parallel backend for `model` and optimizer `tx` over `mesh`."""
+    return make_backend(config.parallel.backend, mesh, model, tx, StepOptions(
+        accum_steps=config.grad_accum_steps,
+        reduce_dtype=config.parallel.grad_reduce_dtype,
+        label_smoothing=config.label_smoothing,
+        shard_optimizer_state=config.parallel.shard_optimizer_state,
+        shard_params=config.parallel.shard_params,
+        compiler_options=compiler_options(mesh.devices.flat[0].platform, config.remat),
+    ))
+
+
 def train_and_evaluate(config, workdir: str, experiment: Experiment, model: modeling.Model,
                        plan: BatchPlan, devices=None) -> TrainResult:
     """Trains `model` as configured on `devices` (default: all devices of all processes)."""
@@ -88,14 +100,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, model: mode
 
     # -- 3. Model, optimizer, backend and the initial state ----------------------
     learning_rate = optim.learning_rate_fn(config)
-    tx = experiment.build_optimizer(config, learning_rate)
-    backend = make_backend(config.parallel.backend, mesh, model, tx, StepOptions(
-        accum_steps=config.grad_accum_steps,
-        reduce_dtype=config.parallel.grad_reduce_dtype,
-        label_smoothing=config.label_smoothing,
-        shard_optimizer_state=config.parallel.shard_optimizer_state,
-        shard_params=config.parallel.shard_params,
-    ))
+    backend = build_backend(config, mesh, model, experiment.build_optimizer(config, learning_rate))
     rng = jax.random.key(config.seed)
     state = backend.init_global(rng, sample_images)
     start_step = int(jax.device_get(state.step))

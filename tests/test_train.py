@@ -5,6 +5,7 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+
 from runs import losses, train
 
 VIT = "experiments/vit.py"

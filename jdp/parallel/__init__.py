@@ -1,6 +1,8 @@
 """Data parallelism: the per-device step math and the pmap / pjit backends."""
 
-from jdp.parallel.backends import BACKENDS, Backend, StepOptions, make_backend
+from jdp.parallel.backends import BACKENDS, Backend, StepOptions, compiler_options, make_backend
 from jdp.parallel.step import TrainState
 
-__all__ = ["BACKENDS", "Backend", "StepOptions", "TrainState", "make_backend"]
+__all__ = [
+    "BACKENDS", "Backend", "StepOptions", "TrainState", "compiler_options", "make_backend",
+]

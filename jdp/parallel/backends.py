@@ -39,6 +39,19 @@ class StepOptions:
     label_smoothing: float = 0.0
     shard_optimizer_state: bool = False  # ZeRO-1
     shard_params: bool = False  # FSDP-style
+    compiler_options: dict | None = None  # passed to XLA when compiling the train step
+
+
+def compiler_options(platform: str, remat: str) -> dict | None:
+    """XLA options the train step needs on this platform.
+
+    XLA:CPU's default scheduler optimises for concurrency and hoists the
+    recomputation of rematerialised blocks back into the forward pass, which
+    undoes remat; its memory-optimised scheduler keeps the saving.
+    """
+    if platform == "cpu" and remat != "none":
+        return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+    return None
 
 
 def _replicated_sharding_tree(mesh: Mesh, tree):
@@ -141,10 +154,14 @@ class PjitBackend(Backend):
                 label_smoothing=opts.label_smoothing)
 
         def train_step(state, batch):
+            # check_vma=False gives pmap's semantics: the gradient of a replicated
+            # input stays per-device (no implicit psum), so device_gradients' one
+            # pmean is the only reduction, exactly as under pmap.
             grads, model_state, metrics = jax.shard_map(
                 device_grads, mesh=mesh,
                 in_specs=(P(), P(), P(DATA_AXIS), P(), P()),
                 out_specs=(P(), P(), P()),
+                check_vma=False,
             )(state.params, state.model_state, batch, state.rng, state.step)
             return step_lib.apply_gradients(self.tx, state, grads, model_state), metrics
 
@@ -165,7 +182,7 @@ class PjitBackend(Backend):
         return self._jitted(state)(state, batch)
 
     def compiled_train_step(self, state, batch):
-        return self._jitted(state).lower(state, batch).compile()
+        return self._jitted(state).lower(state, batch).compile(self.options.compiler_options)
 
     def eval_step(self, state, batch):
         return self._eval_step(state, batch)
@@ -232,7 +249,7 @@ class PmapBackend(Backend):
         return self._train_step(state, batch)
 
     def compiled_train_step(self, state, batch):
-        return self._train_step.lower(state, batch).compile()
+        return self._train_step.lower(state, batch).compile(self.options.compiler_options)
 
     def eval_step(self, state, batch):
         return self._eval_step(state, batch)

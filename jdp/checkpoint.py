@@ -1,0 +1,289 @@
+"""Checkpoint mechanics: saving, finding and restoring the train state with Orbax.
+
+Owns the on-disk checkpoints of a run (`<directory>/<step>/default/`): asynchronous,
+atomic saves from every process; which step to resume from (only complete ones count);
+retention (newest N, or best N by a metric plus the newest); restoring onto any mesh and
+sharding; the preemption sync point; and loading only the params of a checkpoint for
+fine-tuning. It does not decide when to evaluate or stop, and keeps no data position
+(that follows from the step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint.checkpoint_manager import DEFAULT_ITEM_NAME
+
+PyTree = Any
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used: missing, damaged, or not matching the model."""
+
+
+class Checkpointer:
+    """Saves and restores the train state of one run; every process makes the same calls.
+
+    Atomicity comes from Orbax: a save is written to `<step>.orbax-checkpoint-tmp` and
+    renamed to `<step>` by process 0 once every process has written its shards, so a
+    killed job leaves only a tmp directory, which is never listed and which the next
+    Checkpointer on the directory removes. Old checkpoints are deleted only after the
+    newer one is committed (Orbax runs deletion after the commit, and skips it if the
+    save failed).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        every_steps: int,
+        max_to_keep: int | None,
+        async_save: bool = True,
+        best_metric: str | None = None,
+        best_mode: str = "max",
+    ) -> None:
+        if every_steps < 0:
+            raise ValueError(
+                f"checkpoint every_steps ({every_steps}) must be >= 0 (0: only forced saves)."
+            )
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(
+                f"checkpoint max_to_keep ({max_to_keep}) must be >= 1, or None to keep all."
+            )
+        if best_mode not in ("max", "min"):
+            raise ValueError(f"checkpoint best_mode ({best_mode!r}) must be 'max' or 'min'.")
+        self._every_steps = every_steps
+        self._best_metric = best_metric
+        best_fn = None if best_metric is None else operator.itemgetter(best_metric)
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=_preservation_policy(max_to_keep, best_fn, best_mode),
+            # Orbax writes the metrics next to each step (and reads them back on restart)
+            # only when best_fn is set.
+            best_fn=best_fn,
+            best_mode=best_mode,
+            enable_async_checkpointing=async_save,
+            # Leftovers of saves killed midway; a rerun of that step would replace its own.
+            cleanup_tmp_directories=True,
+            # Process 0 lists the steps and broadcasts them, so all processes agree.
+            single_host_load_and_broadcast=True,
+        )
+        self._manager = ocp.CheckpointManager(epath.Path(directory), options=options)
+        # JAX's preemption sync point needs jax.distributed and reports False without it,
+        # so a lone process notes SIGTERM itself (there is nobody to agree with).
+        self._sigterm = threading.Event()
+        self._previous_sigterm_handler = None
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            self._previous_sigterm_handler = signal.signal(
+                signal.SIGTERM, lambda *_: self._sigterm.set()
+            )
+
+    @property
+    def directory(self) -> epath.Path:
+        return self._manager.directory
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, None if there is none.
+
+        Waits for a save in flight: Orbax lists a step as soon as its save starts.
+        """
+        self.wait()
+        return self._manager.latest_step()
+
+    def save(
+        self,
+        step: int,
+        state: PyTree,
+        *,
+        metrics: dict[str, float] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Starts saving `state` if `step` is a multiple of every_steps (> 0) or `force`.
+
+        Returns whether a save started; a step already saved is not saved again. The
+        state's device buffers are copied to host before this returns, so the caller may
+        donate or overwrite them; the writing continues in the background.
+        """
+        periodic = self._every_steps > 0 and step % self._every_steps == 0
+        if not (periodic or force):
+            return False
+        if step in self._manager.all_steps():
+            return False
+        if metrics is not None:
+            if self._best_metric is not None and self._best_metric not in metrics:
+                raise ValueError(
+                    f"checkpoint best_metric {self._best_metric!r} is not among the metrics "
+                    f"passed to save ({', '.join(sorted(metrics))}); set best_metric to one "
+                    "of them."
+                )
+            metrics = {name: float(value) for name, value in metrics.items()}  # JSON-able
+        # force=True: the decision above is ours, the same on every process without I/O
+        # (Orbax's own policy would also save the first step of every run).
+        return self._manager.save(
+            step, args=ocp.args.StandardSave(state), metrics=metrics, force=True
+        )
+
+    def restore(self, step: int, abstract_state: PyTree) -> PyTree:
+        """The state saved at `step`, placed with the shardings in `abstract_state`.
+
+        `abstract_state` is the state's pytree of `jax.ShapeDtypeStruct`s with `.sharding`;
+        they may differ from the saved ones (another mesh, device or process count).
+        """
+        self.wait()  # a step whose save is in flight is restorable once committed
+        steps = self._manager.all_steps()
+        if step not in steps:
+            raise CheckpointError(
+                f"No complete checkpoint for step {step} in {self.directory} (complete "
+                f"steps: {sorted(steps)}); restore one of those."
+            )
+        item_dir = self.directory / str(step) / DEFAULT_ITEM_NAME
+        _check_matches(_saved_shapes(item_dir), abstract_state, item_dir)
+        try:
+            return self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+        except Exception as error:  # typically array files damaged behind intact metadata
+            raise _unreadable(item_dir, error) from error
+
+    def reached_preemption(self, step: int) -> bool:
+        """True on every process at the same step once any of them was told to stop.
+
+        Call it at every step on every process (JAX's sync point agrees on the step).
+        """
+        return self._sigterm.is_set() or self._manager.reached_preemption(step)
+
+    def wait(self) -> None:
+        """Blocks until the save in flight is committed; raises if it failed."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+        if self._previous_sigterm_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm_handler)
+            self._previous_sigterm_handler = None
+
+
+def _preservation_policy(
+    max_to_keep: int | None, best_fn: Callable | None, best_mode: str
+) -> ocp.checkpoint_managers.PreservationPolicy:
+    """The newest `max_to_keep`; with a metric, the best `max_to_keep` by it and the newest."""
+    if best_fn is None:
+        return ocp.checkpoint_managers.LatestN(n=max_to_keep)
+    # The newest is kept whatever its metric: it is where a killed job resumes. Saves
+    # without metrics (e.g. at preemption) go once a newer one exists.
+    best = ocp.checkpoint_managers.BestN(
+        get_metric_fn=best_fn,
+        reverse=best_mode == "min",
+        n=max_to_keep,
+        keep_checkpoints_without_metrics=False,
+    )
+    return ocp.checkpoint_managers.AnyPreservationPolicy(
+        [ocp.checkpoint_managers.LatestN(n=1), best]
+    )
+
+
+def load_params(path: str | os.PathLike, abstract_params: PyTree) -> PyTree:
+    """Only the params of a checkpoint (for fine-tuning), placed like `abstract_params`.
+
+    `path` is a checkpoint directory (its newest complete step is used) or one step
+    directory in it. Names and shapes must match the model's exactly.
+    """
+    item_dir = _params_item_dir(epath.Path(path))
+    saved = {
+        name: shape for name, shape in _saved_shapes(item_dir).items() if name.startswith("params/")
+    }
+    target = {"params": abstract_params}
+    _check_matches(saved, target, item_dir)
+    args = ocp.args.PyTreeRestore(
+        item=target,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True,  # leave the optimizer state and the rest on disk
+    )
+    try:
+        with contextlib.closing(ocp.PyTreeCheckpointHandler()) as handler:
+            return handler.restore(item_dir, args=args)["params"]
+    except Exception as error:
+        raise _unreadable(item_dir, error) from error
+
+
+def _params_item_dir(path: epath.Path) -> epath.Path:
+    """The item directory of the step that `path` names, or of its newest complete step."""
+    if not path.exists():
+        raise CheckpointError(
+            f"Cannot load params: {path} does not exist. Point checkpoint.init_from at a "
+            "jdp checkpoint directory or one of its step directories."
+        )
+    if (path / DEFAULT_ITEM_NAME).is_dir() and ocp.step.is_path_finalized(path):
+        return path / DEFAULT_ITEM_NAME
+    steps = ocp.utils.checkpoint_steps(path)
+    if not steps:
+        raise CheckpointError(
+            f"Cannot load params: {path} holds no complete checkpoint. Point "
+            "checkpoint.init_from at a jdp checkpoint directory or one of its step directories."
+        )
+    return path / str(max(steps)) / DEFAULT_ITEM_NAME
+
+
+def _saved_shapes(item_dir: epath.Path) -> dict[str, tuple[int, ...]]:
+    """Shape of every array in a checkpoint item, by path (`params/Dense_0/kernel`)."""
+    try:
+        with contextlib.closing(ocp.PyTreeCheckpointHandler()) as handler:
+            tree = handler.metadata(item_dir).tree
+    except Exception as error:  # no or unreadable _METADATA although the step is complete
+        raise _unreadable(item_dir, error) from error
+    return {name: tuple(leaf.shape) for name, leaf in _flat(tree).items()}
+
+
+def _check_matches(saved: dict[str, tuple[int, ...]], abstract: PyTree, where: epath.Path) -> None:
+    """Raises a CheckpointError naming every array whose name or shape differs."""
+    expected = {name: _stored_shape(leaf) for name, leaf in _flat(abstract).items()}
+    problems = []
+    if reshaped := [
+        f"{name} is {saved[name]} in the checkpoint but {shape} in the model"
+        for name, shape in sorted(expected.items())
+        if name in saved and saved[name] != shape
+    ]:
+        problems.append(_some(reshaped))
+    if missing := sorted(expected.keys() - saved.keys()):
+        problems.append(f"missing from the checkpoint: {_some(missing)}")
+    if unexpected := sorted(saved.keys() - expected.keys()):
+        problems.append(f"in the checkpoint but not in the model: {_some(unexpected)}")
+    if problems:
+        raise CheckpointError(
+            f"Checkpoint {where} does not match the model: {'; '.join(problems)}. Use a "
+            "checkpoint of the same model and optimizer, or configure the model to match it."
+        )
+
+
+def _stored_shape(leaf: Any) -> tuple[int, ...]:
+    # Orbax stores a typed PRNG key as its key data: a () key<fry> is a (2,) uint32 array.
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return tuple(jax.eval_shape(jax.random.key_data, leaf).shape)
+    return tuple(leaf.shape)
+
+
+def _flat(tree: PyTree) -> dict[str, Any]:
+    # Orbax's own naming of the saved tree, so both sides spell paths the same way.
+    return ocp.tree.to_flat_dict(tree, sep="/")
+
+
+def _some(names: list[str], limit: int = 5) -> str:
+    more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _unreadable(item_dir: epath.Path, error: Exception) -> CheckpointError:
+    reason = (str(error).strip().splitlines() or [""])[0][:300]
+    step_dir = item_dir.parent
+    # Moving aside, not deleting: the reason may be ours (a sharding), not the files'.
+    return CheckpointError(
+        f"Checkpoint {item_dir} cannot be read ({type(error).__name__}: {reason}). If it is "
+        f"damaged, move {step_dir} aside (e.g. to {step_dir}.damaged) to fall back to the "
+        "previous checkpoint, or use another one."
+    )

@@ -1,0 +1,623 @@
+"""Specification of jdp.checkpoint: what a saved train state guarantees.
+
+States are tiny pytrees shaped like the trainer's (params, BatchNorm-like model state, a
+real adamw state after one update, step, PRNG key) on the 8 CPU devices of conftest.py.
+"""
+
+import gc
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import struct
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from orbax.checkpoint._src.path import atomicity
+
+from jdp.checkpoint import Checkpointer, CheckpointError, load_params
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# A restore that fails on one array abandons the tensorstore reads of the others; when
+# those are collected, their callbacks find Orbax's event loop closed. Harmless; the
+# `abandoned_reads` fixture collects them before its test ends, so this filter applies.
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:Exception ignored in. None[\s\S]*Event loop is closed"
+    ":pytest.PytestUnraisableExceptionWarning"
+)
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: dict
+    model_state: dict
+    opt_state: optax.OptState
+    rng: jax.Array
+
+
+def make_params(seed: int = 0) -> dict:
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return {
+        "Block_0": {
+            "Dense_0": {
+                "kernel": jax.random.normal(k1, (16, 8)),
+                "bias": jax.random.normal(k2, (8,)),
+            }
+        },
+        "head": {"kernel": jax.random.normal(k3, (8, 2))},
+    }
+
+
+def make_state(step: int = 7, seed: int = 0, model_state: dict | None = None) -> TrainState:
+    params = make_params(seed)
+    tx = optax.adamw(1e-3)
+    opt_state = tx.init(params)
+    # One update, so the moments and the count are not all zeros.
+    grads = jax.tree.map(lambda p: 0.1 * p, params)
+    _, opt_state = tx.update(grads, opt_state, params)
+    return TrainState(
+        step=jnp.asarray(step, jnp.int32),
+        params=params,
+        model_state={} if model_state is None else model_state,
+        opt_state=opt_state,
+        rng=jax.random.PRNGKey(seed + 100),
+    )
+
+
+def mesh_of(num_devices: int) -> Mesh:
+    return Mesh(np.array(jax.devices()[:num_devices]), ("data",))
+
+
+def replicated(mesh: Mesh):
+    return lambda leaf: NamedSharding(mesh, P())
+
+
+def zero(mesh: Mesh):
+    """ZeRO-1 style: leaves whose first axis divides over the mesh are sharded over it."""
+    n = mesh.devices.size
+    return lambda leaf: NamedSharding(
+        mesh, P("data") if leaf.ndim and leaf.shape[0] % n == 0 else P()
+    )
+
+
+def placed(state, sharding_of):
+    return jax.tree.map(lambda leaf: jax.device_put(leaf, sharding_of(leaf)), state)
+
+
+def abstract(state, sharding_of):
+    return jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding_of(leaf)),
+        state,
+    )
+
+
+def assert_same_state(actual, expected) -> None:
+    """Same tree, dtypes, shapes and bits."""
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        a, e = np.asarray(a), np.asarray(e)
+        assert (a.dtype, a.shape) == (e.dtype, e.shape)
+        assert a.tobytes() == e.tobytes(), f"{a} != {e}"
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path) -> Path:
+    return tmp_path / "checkpoints"
+
+
+@pytest.fixture
+def open_checkpointer(ckpt_dir):
+    """Opens Checkpointers on ckpt_dir (every step, keep all unless told) and closes them."""
+    opened = []
+
+    def open_(**options) -> Checkpointer:
+        options = {"every_steps": 1, "max_to_keep": None, **options}
+        checkpointer = Checkpointer(ckpt_dir, **options)
+        opened.append(checkpointer)
+        return checkpointer
+
+    yield open_
+    for checkpointer in opened:
+        checkpointer.close()
+
+
+def subprocess_env(**overrides: str) -> dict[str, str]:
+    """This test process's environment (8 CPU devices), with jdp importable."""
+    python_path = os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": python_path, **overrides}
+
+
+def saved_steps(directory: Path) -> list[int]:
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+# --- round trip ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model_state",
+    [None, {"BatchNorm_0": {"mean": jnp.arange(8.0), "var": jnp.ones(8)}}],
+    ids=["no_model_state", "batch_stats"],
+)
+def test_round_trip_is_bitwise(open_checkpointer, model_state):
+    sharding = replicated(mesh_of(8))
+    state = placed(make_state(model_state=model_state), sharding)
+    checkpointer = open_checkpointer()
+    assert checkpointer.save(7, state)
+    checkpointer.wait()
+    restored = checkpointer.restore(7, abstract(state, sharding))
+    assert_same_state(restored, state)
+    assert isinstance(restored, TrainState)
+    assert isinstance(restored.opt_state[0], optax.ScaleByAdamState)
+
+
+def test_typed_prng_key_round_trips(open_checkpointer):
+    sharding = replicated(mesh_of(8))
+    state = placed(make_state(), sharding).replace(rng=jax.random.key(5))
+    checkpointer = open_checkpointer()
+    checkpointer.save(7, state)
+    restored = checkpointer.restore(7, abstract(state, sharding))
+    assert restored.rng.dtype == state.rng.dtype
+    assert_same_state(jax.random.key_data(restored.rng), jax.random.key_data(state.rng))
+
+
+def test_async_save_is_committed_by_wait(open_checkpointer, ckpt_dir):
+    checkpointer = open_checkpointer(async_save=True)
+    assert checkpointer.save(5, placed(make_state(), replicated(mesh_of(8))))
+    checkpointer.wait()
+    assert [p.name for p in ckpt_dir.iterdir() if "tmp" in p.name] == []
+    assert (ckpt_dir / "5" / "commit_success.txt").exists()
+    assert checkpointer.latest_step() == 5
+
+
+def test_state_may_be_donated_once_save_returns(open_checkpointer):
+    sharding = replicated(mesh_of(8))
+    state = placed(make_state(), sharding)
+    expected = jax.tree.map(np.asarray, state)
+    checkpointer = open_checkpointer(async_save=True)
+    checkpointer.save(3, state)
+    for leaf in jax.tree.leaves(state):  # what donating the state to the next step does
+        leaf.delete()
+    checkpointer.wait()
+    assert_same_state(checkpointer.restore(3, abstract(expected, sharding)), expected)
+
+
+def test_synchronous_save_is_complete_on_return(open_checkpointer, ckpt_dir):
+    checkpointer = open_checkpointer(async_save=False)
+    assert checkpointer.save(2, placed(make_state(), replicated(mesh_of(8))))
+    assert saved_steps(ckpt_dir) == [2]
+
+
+def test_saves_every_n_steps_or_when_forced(open_checkpointer, ckpt_dir):
+    state = placed(make_state(), replicated(mesh_of(8)))
+    checkpointer = open_checkpointer(every_steps=4)
+    assert [step for step in range(1, 9) if checkpointer.save(step, state)] == [4, 8]
+    assert checkpointer.save(9, state, force=True)
+    assert not checkpointer.save(9, state, force=True)  # already saved: not saved again
+    checkpointer.wait()
+    assert saved_steps(ckpt_dir) == [4, 8, 9]
+
+
+def test_every_steps_zero_saves_only_when_forced(open_checkpointer, ckpt_dir):
+    state = placed(make_state(), replicated(mesh_of(8)))
+    checkpointer = open_checkpointer(every_steps=0)
+    assert not any(checkpointer.save(step, state) for step in range(0, 5))
+    assert checkpointer.save(5, state, force=True)
+    checkpointer.wait()
+    assert saved_steps(ckpt_dir) == [5]
+
+
+# --- which checkpoint counts ---------------------------------------------------------
+
+
+def test_latest_step_is_none_without_checkpoints(open_checkpointer):
+    assert open_checkpointer().latest_step() is None
+
+
+KILLED_AT_COMMIT = textwrap.dedent(
+    """
+    import os, signal, sys
+
+    import jax.numpy as jnp
+    from orbax.checkpoint._src.path import atomicity
+
+    from jdp.checkpoint import Checkpointer
+
+    async def sigkill(self):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    checkpointer = Checkpointer(sys.argv[1], every_steps=10, max_to_keep=1)
+    state = {"params": {"w": jnp.arange(128.0).reshape(16, 8)}}
+    checkpointer.save(10, state)
+    checkpointer.wait()
+    # Killed after every array of step 20 is written, at the moment Orbax would commit it.
+    atomicity.AtomicRenameTemporaryPath.finalize = sigkill
+    checkpointer.save(20, state)
+    checkpointer.wait()
+    """
+)
+
+
+def test_a_save_killed_before_its_commit_does_not_count(open_checkpointer, ckpt_dir):
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_AT_COMMIT, str(ckpt_dir)],
+        env=subprocess_env(),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    # Orbax writes under a tmp name and renames to "20" as the commit, so the kill leaves
+    # only the tmp directory, and step 10 (due for deletion: max_to_keep=1) is still there.
+    assert sorted(p.name for p in ckpt_dir.iterdir() if not p.name.startswith("_")) == [
+        "10",
+        "20.orbax-checkpoint-tmp",
+    ]
+
+    resumed = open_checkpointer(every_steps=10, max_to_keep=1)
+    assert resumed.latest_step() == 10
+    w = jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=NamedSharding(mesh_of(8), P()))
+    restored = resumed.restore(10, {"params": {"w": w}})
+    np.testing.assert_array_equal(restored["params"]["w"], np.arange(128.0).reshape(16, 8))
+    # The rerun saves step 20 again; the leftover is gone.
+    assert resumed.save(20, restored)
+    assert resumed.latest_step() == 20
+    assert saved_steps(ckpt_dir) == [20]
+    assert not (ckpt_dir / "20.orbax-checkpoint-tmp").exists()
+
+
+def test_max_to_keep_keeps_the_newest(open_checkpointer, ckpt_dir):
+    state = placed(make_state(), replicated(mesh_of(8)))
+    checkpointer = open_checkpointer(max_to_keep=2)
+    for step in range(1, 6):
+        checkpointer.save(step, state)
+    checkpointer.wait()
+    assert saved_steps(ckpt_dir) == [4, 5]
+    assert checkpointer.latest_step() == 5
+
+
+def test_failed_save_deletes_nothing_and_does_not_count(open_checkpointer, ckpt_dir, monkeypatch):
+    state = placed(make_state(), replicated(mesh_of(8)))
+    checkpointer = open_checkpointer(max_to_keep=1)
+    checkpointer.save(1, state)
+    checkpointer.wait()
+
+    async def disk_full(self):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", disk_full)
+    checkpointer.save(2, state)  # max_to_keep=1 makes step 1 due for deletion
+    with pytest.raises(OSError, match="No space left"):
+        checkpointer.wait()
+    monkeypatch.undo()
+    checkpointer.close()
+
+    assert saved_steps(ckpt_dir) == [1]
+    resumed = open_checkpointer()
+    assert resumed.latest_step() == 1
+    assert_same_state(resumed.restore(1, abstract(state, replicated(mesh_of(8)))), state)
+
+
+def test_keep_best_keeps_the_best_n_and_the_newest(open_checkpointer, ckpt_dir):
+    state = placed(make_state(), replicated(mesh_of(8)))
+    checkpointer = open_checkpointer(max_to_keep=2, best_metric="accuracy", best_mode="max")
+    for step, accuracy in zip(range(1, 6), [0.5, 0.9, None, 0.8, 0.6], strict=True):
+        metrics = None if accuracy is None else {"accuracy": accuracy, "loss": 1.0}
+        checkpointer.save(step, state, metrics=metrics)  # None: e.g. saved at preemption
+    checkpointer.wait()
+    assert saved_steps(ckpt_dir) == [2, 4, 5]  # best two, plus the newest to resume from
+    checkpointer.close()
+
+    # The metrics are read back after a restart.
+    resumed = open_checkpointer(max_to_keep=2, best_metric="accuracy", best_mode="max")
+    resumed.save(6, state, metrics={"accuracy": jnp.float32(0.95)})
+    resumed.wait()
+    assert saved_steps(ckpt_dir) == [2, 6]
+
+
+def test_keep_best_in_min_mode_keeps_the_lowest(open_checkpointer, ckpt_dir):
+    state = placed(make_state(), replicated(mesh_of(8)))
+    checkpointer = open_checkpointer(max_to_keep=1, best_metric="loss", best_mode="min")
+    for step, loss in zip(range(1, 5), [3.0, 1.0, 2.0, 4.0], strict=True):
+        checkpointer.save(step, state, metrics={"loss": loss})
+    checkpointer.wait()
+    assert saved_steps(ckpt_dir) == [2, 4]
+
+
+def test_keep_best_rejects_metrics_without_the_best_metric(open_checkpointer):
+    checkpointer = open_checkpointer(max_to_keep=1, best_metric="accuracy")
+    with pytest.raises(ValueError, match="'accuracy' is not among the metrics passed to save"):
+        checkpointer.save(1, placed(make_state(), replicated(mesh_of(8))), metrics={"loss": 1.0})
+
+
+# --- restoring onto another topology -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "save_layout, restore_layout, restore_devices",
+    [
+        (replicated, replicated, 4),
+        (replicated, zero, 4),
+        (replicated, zero, 8),
+        (zero, replicated, 8),
+        (zero, zero, 4),
+    ],
+    ids=lambda value: getattr(value, "__name__", value),
+)
+def test_restore_places_the_state_with_the_given_shardings(
+    open_checkpointer, save_layout, restore_layout, restore_devices
+):
+    state = placed(make_state(), save_layout(mesh_of(8)))
+    checkpointer = open_checkpointer()
+    checkpointer.save(7, state)
+    target = abstract(state, restore_layout(mesh_of(restore_devices)))
+    restored = checkpointer.restore(7, target)
+    assert_same_state(restored, state)
+    for leaf, wanted in zip(jax.tree.leaves(restored), jax.tree.leaves(target), strict=True):
+        assert leaf.sharding == wanted.sharding
+    kernel = restored.params["Block_0"]["Dense_0"]["kernel"]
+    sharded = restore_layout is zero
+    assert kernel.sharding.spec == (P("data") if sharded else P())
+    assert len(kernel.addressable_shards) == restore_devices
+
+
+# --- errors --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def abandoned_reads():
+    """For tests whose restore fails: lets the reads it left finish, and collects them."""
+    yield
+    time.sleep(0.2)
+    gc.collect()
+
+
+def save_one_checkpoint(open_checkpointer, step: int = 7) -> TrainState:
+    state = placed(make_state(), replicated(mesh_of(8)))
+    checkpointer = open_checkpointer()
+    checkpointer.save(step, state)
+    checkpointer.close()
+    return state
+
+
+def truncate_array_data(item_dir: Path) -> None:
+    for data_file in (item_dir / "d").iterdir():
+        data_file.write_bytes(b"")
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        truncate_array_data,
+        lambda item_dir: (item_dir / "manifest.ocdbt").unlink(),
+        lambda item_dir: (item_dir / "_METADATA").unlink(),
+    ],
+    ids=["truncated_data", "missing_manifest", "missing_metadata"],
+)
+@pytest.mark.usefixtures("abandoned_reads")
+def test_restore_of_a_damaged_checkpoint_names_it(open_checkpointer, ckpt_dir, damage):
+    state = save_one_checkpoint(open_checkpointer)
+    item_dir = ckpt_dir / "7" / "default"
+    damage(item_dir)
+    checkpointer = open_checkpointer()
+    assert checkpointer.latest_step() == 7  # it claims to be complete
+    with pytest.raises(CheckpointError, match="cannot be read") as error:
+        checkpointer.restore(7, abstract(state, replicated(mesh_of(8))))
+    message = str(error.value)
+    assert str(item_dir) in message and f"move {item_dir.parent} aside" in message
+    assert "\n" not in message
+
+
+def test_a_damaged_step_moved_aside_falls_back_to_the_previous_one(open_checkpointer, ckpt_dir):
+    state = placed(make_state(), replicated(mesh_of(8)))
+    checkpointer = open_checkpointer()
+    checkpointer.save(5, state)
+    checkpointer.save(7, state)
+    checkpointer.close()
+    truncate_array_data(ckpt_dir / "7" / "default")
+    (ckpt_dir / "7").rename(ckpt_dir / "7.damaged")  # what the error message advises
+
+    resumed = open_checkpointer()
+    assert resumed.latest_step() == 5
+    assert_same_state(resumed.restore(5, abstract(state, replicated(mesh_of(8)))), state)
+    assert (ckpt_dir / "7.damaged").exists()  # kept for inspection
+
+
+def test_restore_of_an_absent_step_lists_the_saved_ones(open_checkpointer):
+    state = save_one_checkpoint(open_checkpointer)
+    with pytest.raises(CheckpointError, match=r"No complete checkpoint for step 8 .*\[7\]"):
+        open_checkpointer().restore(8, abstract(state, replicated(mesh_of(8))))
+
+
+def test_restore_into_a_different_model_names_the_differences(open_checkpointer):
+    save_one_checkpoint(open_checkpointer)
+    other = make_state()
+    other = other.replace(
+        params={**other.params, "head": {"kernel": jnp.zeros((8, 3))}},
+        model_state={"BatchNorm_0": {"mean": jnp.zeros(8)}},
+    )
+    with pytest.raises(CheckpointError) as error:
+        open_checkpointer().restore(7, abstract(other, replicated(mesh_of(8))))
+    message = str(error.value)
+    assert "params/head/kernel is (8, 2) in the checkpoint but (8, 3) in the model" in message
+    assert "missing from the checkpoint: model_state/BatchNorm_0/mean" in message
+    assert "\n" not in message
+
+
+def test_load_params_takes_only_the_params_of_the_newest_step(open_checkpointer, ckpt_dir):
+    checkpointer = open_checkpointer()
+    checkpointer.save(1, placed(make_state(seed=1), replicated(mesh_of(8))))
+    checkpointer.save(2, placed(make_state(seed=2), replicated(mesh_of(8))))
+    checkpointer.close()
+    target = abstract(make_params(), zero(mesh_of(4)))
+
+    params = load_params(ckpt_dir, target)
+    assert_same_state(params, make_params(seed=2))
+    kernel = params["Block_0"]["Dense_0"]["kernel"]
+    assert kernel.sharding == target["Block_0"]["Dense_0"]["kernel"].sharding
+    # A step directory names that step.
+    assert_same_state(load_params(ckpt_dir / "1", target), make_params(seed=1))
+
+
+def test_load_params_from_nowhere_names_the_path(tmp_path):
+    target = abstract(make_params(), replicated(mesh_of(8)))
+    missing = tmp_path / "no_such_run"
+    with pytest.raises(CheckpointError, match="does not exist") as error:
+        load_params(missing, target)
+    assert str(missing) in str(error.value)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint") as error:
+        load_params(empty, target)
+    assert str(empty) in str(error.value)
+
+
+def test_load_params_into_a_different_model_names_paths_and_shapes(open_checkpointer, ckpt_dir):
+    save_one_checkpoint(open_checkpointer)
+    params = make_params()
+    params["Block_0"]["Dense_0"]["kernel"] = jnp.zeros((16, 4))
+    params["Block_0"]["Dense_0"]["bias"] = jnp.zeros((4,))
+    params["Block_1"] = params.pop("head")
+    with pytest.raises(CheckpointError) as error:
+        load_params(ckpt_dir, abstract(params, replicated(mesh_of(8))))
+    message = str(error.value)
+    assert str(ckpt_dir / "7" / "default") in message
+    assert "params/Block_0/Dense_0/kernel is (16, 8) in the checkpoint but (16, 4)" in message
+    assert "params/Block_0/Dense_0/bias is (8,) in the checkpoint but (4,)" in message
+    assert "missing from the checkpoint: params/Block_1/kernel" in message
+    assert "in the checkpoint but not in the model: params/head/kernel" in message
+    assert "opt_state" not in message
+    assert "\n" not in message
+
+
+@pytest.mark.usefixtures("abandoned_reads")
+def test_load_params_of_a_damaged_checkpoint_names_it(open_checkpointer, ckpt_dir):
+    save_one_checkpoint(open_checkpointer)
+    truncate_array_data(ckpt_dir / "7" / "default")
+    with pytest.raises(CheckpointError, match="cannot be read") as error:
+        load_params(ckpt_dir, abstract(make_params(), replicated(mesh_of(8))))
+    assert str(ckpt_dir / "7" / "default") in str(error.value)
+
+
+# --- preemption ----------------------------------------------------------------------
+
+
+def test_sigterm_reaches_the_preemption_point_in_a_single_process(open_checkpointer):
+    handler_before = signal.getsignal(signal.SIGTERM)
+    checkpointer = open_checkpointer()
+    assert not checkpointer.reached_preemption(1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert checkpointer.reached_preemption(2)
+    checkpointer.close()
+    assert signal.getsignal(signal.SIGTERM) is handler_before
+
+
+# --- several processes ---------------------------------------------------------------
+
+TWO_PROCESS_WORKER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    process_id, port, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+        initialization_timeout=60,
+    )
+    from jdp.checkpoint import Checkpointer
+
+    assert jax.device_count() == 8 and jax.local_device_count() == 4
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    kernel = np.arange(128, dtype=np.float32).reshape(16, 8)
+    bias = np.arange(8, dtype=np.float32)
+
+    def global_array(value, spec):
+        return jax.make_array_from_callback(
+            value.shape, NamedSharding(mesh, spec), lambda index: value[index]
+        )
+
+    # Each process holds only its 4 devices' rows of the kernel.
+    state = {"params": {"kernel": global_array(kernel, P("data")),
+                        "bias": global_array(bias, P())}}
+    checkpointer = Checkpointer(directory, every_steps=10, max_to_keep=2)
+    for step in range(1, 1000):
+        if checkpointer.reached_preemption(step):
+            checkpointer.save(step, state, force=True)
+            break
+        checkpointer.save(step, state)
+        if step == 3 and process_id == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice to one process only
+        time.sleep(0.01)
+    print("stopped at", step, "latest", checkpointer.latest_step(), flush=True)
+    checkpointer.close()
+    jax.distributed.shutdown()
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_stop_at_one_step_and_save_what_one_process_restores(
+    open_checkpointer, ckpt_dir
+):
+    env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    port = str(free_port())
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", TWO_PROCESS_WORKER, str(i), port, str(ckpt_dir)],
+            env=env,
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outputs = [worker.communicate(timeout=120)[0] for worker in workers]
+    finally:
+        for worker in workers:
+            worker.kill()
+    stops = []
+    for worker, output in zip(workers, outputs, strict=True):
+        assert worker.returncode == 0, output[-3000:]
+        stops += re.findall(r"^stopped at (\d+) latest (\d+)$", output, re.MULTILINE)
+    # Both processes stopped at the same step, after the notice, and saved it.
+    assert len(stops) == 2 and stops[0] == stops[1]
+    stop, latest = map(int, stops[0])
+    assert 3 < stop < 999 and latest == stop
+    saves = [*range(10, stop, 10), stop]
+    assert saved_steps(ckpt_dir) == saves[-2:]  # max_to_keep=2
+
+    expected = {
+        "params": {
+            "kernel": np.arange(128, dtype=np.float32).reshape(16, 8),
+            "bias": np.arange(8, dtype=np.float32),
+        }
+    }
+    target = abstract(expected, zero(mesh_of(8)))
+    restored = open_checkpointer().restore(stop, target)
+    assert_same_state(restored, expected)
+    assert restored["params"]["kernel"].sharding == target["params"]["kernel"].sharding

@@ -1,0 +1,97 @@
+"""Properties of the compiled train step, read from XLA: one gradient all-reduce per
+optimizer step, its dtype, ZeRO-1 memory, remat memory."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from jdp import modeling
+from jdp.mesh import make_mesh
+from jdp.models import ViT
+from jdp.parallel import StepOptions, compiler_options, hlo, make_backend
+from runs import compiled_step
+
+VIT = "experiments/vit.py"
+
+
+@pytest.mark.parametrize("backend", ["pjit", "pmap"])
+def test_accumulation_issues_one_gradient_all_reduce_outside_any_loop(backend):
+    _, state, compiled = compiled_step(VIT, f"--config.parallel.backend={backend}",
+                                       "--config.grad_accum_steps=4")
+    reduces = hlo.all_reduces(compiled.as_text())
+    assert len(reduces) == 1, reduces
+    assert not reduces[0].in_loop
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params)) // (
+        8 if backend == "pmap" else 1)  # pmap's state has a leading device axis
+    assert reduces[0].bytes >= param_bytes  # every gradient travels in it
+
+
+def test_hlo_reader_sees_an_all_reduce_inside_a_loop():
+    # The reader itself: a reduction per scan iteration must be reported as in a loop.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    @jax.jit
+    def per_iteration_reduce(x):
+        def body(carry, row):
+            return carry + jax.lax.psum(row, "data"), None
+        f = jax.shard_map(lambda x: jax.lax.scan(body, 0.0 * x[0], x)[0], mesh=mesh,
+                          in_specs=jax.P("data"), out_specs=jax.P(), check_vma=False)
+        return f(x)
+
+    text = per_iteration_reduce.lower(np.ones((128, 4), np.float32)).compile().as_text()
+    assert [r.in_loop for r in hlo.all_reduces(text)] == [True]
+
+
+def _gradient_reduce_bytes(lowered_text):
+    return sum(r.bytes for r in hlo.all_reduces(lowered_text))
+
+
+def test_bfloat16_gradient_reduction_halves_the_all_reduce_bytes():
+    texts = {}
+    for dtype in ("float32", "bfloat16"):
+        backend, state, _ = compiled_step(VIT, f"--config.parallel.grad_reduce_dtype={dtype}")
+        batch = {"image": np.zeros((128, 8, 8, 1), np.float32), "label": np.zeros(128, np.int32)}
+        lowered = backend._jitted(state).lower(state, backend.put_batch(batch))
+        texts[dtype] = lowered.as_text(dialect="hlo")
+    f32, bf16 = (_gradient_reduce_bytes(texts[d]) for d in ("float32", "bfloat16"))
+    metrics_bytes = 2 * 4  # loss and accuracy stay float32
+    assert bf16 - metrics_bytes == (f32 - metrics_bytes) // 2
+    assert {"bf16"} <= set().union(*(r.dtypes for r in hlo.all_reduces(texts["bfloat16"])))
+
+
+def _optimizer_state_bytes_on_one_device(state):
+    device = jax.devices()[0]
+    return sum(shard.data.nbytes for leaf in jax.tree.leaves(state.opt_state)
+               for shard in leaf.addressable_shards if shard.device == device)
+
+
+def test_zero1_divides_per_device_optimizer_state_about_n_fold():
+    _, replicated, full = compiled_step(VIT)
+    _, sharded, zero = compiled_step(VIT, "--config.parallel.shard_optimizer_state=true")
+    ratio = _optimizer_state_bytes_on_one_device(sharded) / \
+        _optimizer_state_bytes_on_one_device(replicated)
+    assert ratio < 1.5 / 8, ratio  # 1/8 plus the leaves too small to split
+    saved = full.memory_analysis().argument_size_in_bytes - \
+        zero.memory_analysis().argument_size_in_bytes
+    assert saved > 0.8 * _optimizer_state_bytes_on_one_device(replicated)
+
+
+def test_remat_lowers_the_compiled_temp_memory():
+    # A deep, narrow ViT with 65 tokens, so activations (not parameters) dominate
+    # the step's temporaries. Every variant is compiled with the same XLA options
+    # (those jdp uses on CPU with remat), so the difference is remat's alone.
+    options = compiler_options("cpu", "full")
+    temp = {}
+    for policy in ("none", "full", "dots_saveable"):
+        model = modeling.from_linen(ViT(num_classes=10, patch_size=1, hidden_size=64,
+                                        num_layers=6, num_heads=4, mlp_dim=128, remat=policy))
+        backend = make_backend("pjit", make_mesh(), model, optax.sgd(0.1),
+                               StepOptions(compiler_options=options))
+        state = backend.init_global(jax.random.key(0), np.zeros((1, 8, 8, 1), np.float32))
+        batch = backend.put_batch({"image": np.zeros((128, 8, 8, 1), np.float32),
+                                   "label": np.zeros((128,), np.int32)})
+        temp[policy] = backend.compiled_train_step(state, batch).memory_analysis() \
+            .temp_size_in_bytes
+    assert temp["full"] < 0.7 * temp["none"], temp
+    assert temp["dots_saveable"] < 0.9 * temp["none"], temp
