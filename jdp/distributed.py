@@ -242,6 +242,10 @@ def _join_failure(launch: Launch, timeout_s: float) -> str:
     )
 
 
+class MismatchError(ValueError):
+    """Processes of one job run different configs or versions."""
+
+
 def check_same_across_processes(values: dict[str, str], *, timeout_s: float = 60.0) -> None:
     """Raises on every process if any process's `values` differ from process 0's.
 
@@ -282,7 +286,7 @@ def check_same_across_processes(values: dict[str, str], *, timeout_s: float = 60
                 json.loads(client.blocking_key_value_get(f"{round_dir}/values/{i}", timeout_ms))
                 for i in (0, index)
             )
-            raise ValueError(
+            raise MismatchError(
                 f"Process {index} differs from process 0 in {', '.join(map(repr, fields))}: "
                 f"{_describe_difference(first.get(fields[0]), other.get(fields[0]), index)}. "
                 "Every process must run the same config, jdp and jax: start them all with the "

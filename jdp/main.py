@@ -12,13 +12,29 @@ import json
 import os
 import sys
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+import jdp
+from jdp import config as config_lib
+from jdp import distributed, modeling, train
+from jdp import experiment as experiment_lib
+from jdp.checkpoint import CheckpointError
+from jdp.config import ConfigError
+from jdp.data import datasets
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment file defining get_config(arg); `path.py:arg` passes arg.",
     lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config, metrics and checkpoints.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0 (multi-host; else JDP_* env vars "
+    "or the cluster's own variables are used).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in the job.")
+_DISTRIBUTED_TIMEOUT = flags.DEFINE_float(
+    "distributed_timeout_s", 300.0, "Give up joining the job after this many seconds.")
 
 
 class UsageError(Exception):
@@ -40,32 +56,39 @@ def _make_workdir(workdir: str) -> None:
 
 def run(config, config_path: str, workdir: str, devices=None):
     """Everything after flag parsing; tests call this directly. Returns a train.TrainResult."""
-    import jax
-
-    from jdp import config as config_lib
-    from jdp import experiment as experiment_lib
-    from jdp import train
-    from jdp.data import datasets
-
     experiment = experiment_lib.load(config_path)
     device_count = jax.device_count() if devices is None else len(devices)
     plan = config_lib.validate(config, device_count, jax.process_count())
     model = _build_model(experiment, config)
+    config_json = config.to_json_best_effort(indent=2, sort_keys=True)
+    distributed.check_same_across_processes(
+        {"config": config_json, "jdp": jdp.__version__, "jax": jax.__version__})
+    _check_resumable(workdir, json.loads(config_json))
     datasets.check_prepared(config.data.name, datasets.resolve_data_dir(config.data.data_dir))
 
     if jax.process_index() == 0:
         _make_workdir(workdir)
         with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+            f.write(config_json + "\n")
     return train.train_and_evaluate(config, workdir, experiment, model, plan, devices)
+
+
+def _check_resumable(workdir: str, config: dict) -> None:
+    """A workdir with checkpoints resumes; it must hold a run of the same config."""
+    saved_path = os.path.join(workdir, "config.json")
+    if not (os.path.isdir(os.path.join(workdir, "checkpoints")) and os.path.exists(saved_path)):
+        return
+    with open(saved_path) as f:
+        differences = config_lib.resume_differences(json.load(f), config)
+    if differences:
+        raise ConfigError(
+            f"--workdir={workdir!r} holds checkpoints of a run with another config "
+            f"({'; '.join(differences)}). Fix: use a new --workdir, or pass the same values "
+            "to resume it.")
 
 
 def _build_model(experiment, config):
     """Builds the model now, so a bad model setting fails before anything is written."""
-    from jdp import modeling
-    from jdp.config import ConfigError
-    from jdp.data import datasets
-
     try:
         return modeling.build(experiment.build_model, config,
                               datasets.spec(config.data.name).num_classes)
@@ -89,16 +112,36 @@ def _parse_flags(argv: list[str]) -> list[str]:
 def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    from jdp.config import ConfigError
-
     if _WORKDIR.value is None:
         _fail("--workdir is required. Fix: pass --workdir=DIR (created if missing).")
+    try:
+        distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                               timeout_s=_DISTRIBUTED_TIMEOUT.value)
+    except ValueError as e:
+        _fail(str(e))
+    _prefix_logs_with_process_index()
     config_path = config_flags.get_config_filename(flags.FLAGS["config"])
     try:
         result = run(_CONFIG.value, config_path, _WORKDIR.value)
-    except (ConfigError, UsageError) as e:
+    except (ConfigError, UsageError, CheckpointError, distributed.MismatchError) as e:
         _fail(str(e))
+    except train.Preempted as e:
+        logging.info("%s", e)
+        return
     logging.info("final evaluation: %s", json.dumps(result.eval_metrics))
+
+
+def _prefix_logs_with_process_index() -> None:
+    if jax.process_count() == 1:
+        return
+    prefix = f"[p{jax.process_index()}] "
+
+    class Prefix(logging.logging.Filter):
+        def filter(self, record):
+            record.msg = prefix + str(record.msg)
+            return True
+
+    logging.get_absl_handler().addFilter(Prefix())
 
 
 def _fail(message: str) -> None:

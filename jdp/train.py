@@ -19,10 +19,12 @@ from absl import logging
 from jdp import mesh as mesh_lib
 from jdp import metrics as metrics_lib
 from jdp import modeling, optim
+from jdp.checkpoint import Checkpointer, load_params
 from jdp.config import BatchPlan
 from jdp.data import datasets, pipeline
 from jdp.experiment import Experiment
 from jdp.parallel import Backend, StepOptions, TrainState, compiler_options, make_backend
+from jdp.watchdog import Watchdog
 
 
 def _should(step: int, every: int, total: int) -> bool:
@@ -31,12 +33,13 @@ def _should(step: int, every: int, total: int) -> bool:
 
 
 def evaluate(backend: Backend, state, source, preprocess, *, global_batch_size: int,
-             rows: slice, num_threads: int) -> dict[str, float]:
+             rows: slice, num_threads: int, heartbeat=lambda: None) -> dict[str, float]:
     """Loss and accuracy over the whole split: every example exactly once."""
     totals = None
     batches = pipeline.eval_batches(source, preprocess, global_batch_size=global_batch_size,
                                     rows=rows, num_threads=num_threads)
     for local_batch in batches:
+        heartbeat()
         sums = backend.eval_step(state, backend.put_batch(local_batch))
         totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
     totals = backend.fetch(totals)
@@ -54,10 +57,34 @@ def _log_compiled(compiled) -> None:
                      memory.output_size_in_bytes / 2**20, memory.temp_size_in_bytes / 2**20)
 
 
+class Preempted(Exception):
+    """Raised out of the loop once a preemption checkpoint is saved; the job exits 0."""
+
+    def __init__(self, step: int):
+        super().__init__(f"preempted: saved a checkpoint at step {step}; rerun to resume")
+        self.step = step
+
+
 @dataclasses.dataclass
 class TrainResult:
     eval_metrics: dict[str, float]  # the final evaluation
     state: TrainState  # the final state, as global arrays whichever backend trained
+
+
+def _initial_state(backend: Backend, checkpointer: Checkpointer, rng, sample_images,
+                   init_from: str):
+    """The order matters: 1. resume this run's newest complete checkpoint, 2. else
+    start fresh, with params from `init_from` when fine-tuning."""
+    latest = checkpointer.latest_step()
+    if latest is not None:
+        logging.info("resuming from %s/%d", checkpointer.directory, latest)
+        return checkpointer.restore(latest, backend.abstract_state(rng, sample_images))
+    state = backend.init_global(rng, sample_images)
+    if init_from:
+        logging.info("initialising params from %s", init_from)
+        state = state.replace(params=load_params(init_from, backend.abstract_state(
+            rng, sample_images).params))
+    return state
 
 
 def build_backend(config, mesh, model: modeling.Model, tx) -> Backend:
@@ -101,8 +128,13 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, model: mode
     # -- 3. Model, optimizer, backend and the initial state ----------------------
     learning_rate = optim.learning_rate_fn(config)
     backend = build_backend(config, mesh, model, experiment.build_optimizer(config, learning_rate))
-    rng = jax.random.key(config.seed)
-    state = backend.init_global(rng, sample_images)
+    checkpointer = Checkpointer(
+        os.path.join(os.path.abspath(workdir), "checkpoints"),
+        every_steps=config.checkpoint.every_steps, max_to_keep=config.checkpoint.max_to_keep,
+        async_save=config.checkpoint["async"], best_metric=config.checkpoint.keep_best or None,
+        best_mode=config.checkpoint.keep_best_mode)
+    state = _initial_state(backend, checkpointer, jax.random.key(config.seed), sample_images,
+                           config.checkpoint.init_from)
     start_step = int(jax.device_get(state.step))
     num_params = sum(x.size for x in jax.tree.leaves(state.params))
     logging.info("model has %s parameters; peak learning rate %.3g (lr_scaling=%s)",
@@ -119,11 +151,14 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, model: mode
     writer = metrics_lib.JsonlWriter(os.path.join(workdir, "metrics.jsonl"), enabled=is_writer,
                                      resume_step=start_step)
     timer = metrics_lib.StepTimer(plan.global_batch_size, total_steps)
+    watchdog = Watchdog(config.watchdog_timeout_s) if config.watchdog_timeout_s else None
+    heartbeat = watchdog.heartbeat if watchdog else (lambda step: None)
 
     def run_eval(step, state) -> dict:
         result = evaluate(backend, state, eval_source, eval_preprocess,
                           global_batch_size=eval_batch_size, rows=eval_rows,
-                          num_threads=config.data.num_threads)
+                          num_threads=config.data.num_threads,
+                          heartbeat=lambda: heartbeat(step))
         metrics_lib.log_eval(step, result)
         writer.write(step, result)
         return result
@@ -151,23 +186,39 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, model: mode
             logging.info("compiled the train step in %.1f s", time.monotonic() - t0)
             _log_compiled(compiled)
             timer.start(start_step)
+            if watchdog:
+                watchdog.start()
         for step in range(start_step, total_steps):
             batch = first_batch if step == start_step else next(batches)
             state, metrics = compiled(state, batch)
             done = step + 1
+            heartbeat(done)
             if pending is not None:
                 report(*pending)
             pending = (done, metrics) if _should(done, config.log_every_steps, total_steps) \
                 else None
+            eval_metrics = None
             if _should(done, config.eval_every_steps, total_steps):
                 if pending is not None:
                     report(*pending)
                     pending = None
-                final_eval = run_eval(done, state)
+                eval_metrics = final_eval = run_eval(done, state)
+            preempted = checkpointer.reached_preemption(done)
+            if preempted or _should(done, config.checkpoint.every_steps, total_steps):
+                checkpointer.save(done, backend.to_global(state), metrics=eval_metrics,
+                                  force=True)
+            if preempted:
+                if pending is not None:
+                    report(*pending)
+                raise Preempted(done)
         if pending is not None:
             report(*pending)
     finally:
         batches.close()
+        if watchdog:
+            watchdog.stop()  # waiting for the last save may take longer than a step
+        checkpointer.wait()
+        checkpointer.close()
     if not final_eval:  # resumed at the end: evaluate what was restored
         final_eval = run_eval(total_steps, state)
     return TrainResult(final_eval, backend.to_global(state))
