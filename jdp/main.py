@@ -114,12 +114,15 @@ def main(argv) -> None:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     if _WORKDIR.value is None:
         _fail("--workdir is required. Fix: pass --workdir=DIR (created if missing).")
+    console = _ConsoleFilter()
+    logging.get_absl_handler().addFilter(console)
     try:
         distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                                timeout_s=_DISTRIBUTED_TIMEOUT.value)
     except ValueError as e:
         _fail(str(e))
-    _prefix_logs_with_process_index()
+    if jax.process_count() > 1:
+        console.prefix = f"[p{jax.process_index()}] "
     config_path = config_flags.get_config_filename(flags.FLAGS["config"])
     try:
         result = run(_CONFIG.value, config_path, _WORKDIR.value)
@@ -131,17 +134,23 @@ def main(argv) -> None:
     logging.info("final evaluation: %s", json.dumps(result.eval_metrics))
 
 
-def _prefix_logs_with_process_index() -> None:
-    if jax.process_count() == 1:
-        return
-    prefix = f"[p{jax.process_index()}] "
+# Libraries whose INFO lines (every Orbax save phase, TFDS loads, jax's search for
+# a TPU) would bury the training log; their warnings and errors still show.
+_QUIET_BELOW_WARNING = ("/orbax/", "/tensorflow_datasets/", "/jax/_src/xla_bridge.py")
 
-    class Prefix(logging.logging.Filter):
-        def filter(self, record):
-            record.msg = prefix + str(record.msg)
-            return True
 
-    logging.get_absl_handler().addFilter(Prefix())
+class _ConsoleFilter(logging.logging.Filter):
+    """One readable log per process: library chatter dropped, `[pN] ` on every line
+    once the process knows its index."""
+
+    prefix = ""
+
+    def filter(self, record) -> bool:
+        if record.levelno < logging.logging.WARNING and any(
+                part in record.pathname for part in _QUIET_BELOW_WARNING):
+            return False
+        record.msg = self.prefix + str(record.msg)
+        return True
 
 
 def _fail(message: str) -> None:
