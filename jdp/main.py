@@ -76,7 +76,8 @@ def run(config, config_path: str, workdir: str, devices=None):
 def _check_resumable(workdir: str, config: dict) -> None:
     """A workdir with checkpoints resumes; it must hold a run of the same config."""
     saved_path = os.path.join(workdir, "config.json")
-    if not (os.path.isdir(os.path.join(workdir, "checkpoints")) and os.path.exists(saved_path)):
+    checkpoints = os.path.join(workdir, train.CHECKPOINT_DIR)
+    if not (os.path.isdir(checkpoints) and os.path.exists(saved_path)):
         return
     with open(saved_path) as f:
         differences = config_lib.resume_differences(json.load(f), config)

@@ -57,6 +57,9 @@ def _log_compiled(compiled) -> None:
                      memory.output_size_in_bytes / 2**20, memory.temp_size_in_bytes / 2**20)
 
 
+CHECKPOINT_DIR = "checkpoints"  # inside the workdir
+
+
 class Preempted(Exception):
     """Raised out of the loop once a preemption checkpoint is saved; the job exits 0."""
 
@@ -81,6 +84,9 @@ def _initial_state(backend: Backend, checkpointer: Checkpointer, rng, sample_ima
         return checkpointer.restore(latest, backend.abstract_state(rng, sample_images))
     state = backend.init_global(rng, sample_images)
     if init_from:
+        # A run's workdir stands for its newest checkpoint.
+        if os.path.isdir(os.path.join(init_from, CHECKPOINT_DIR)):
+            init_from = os.path.join(init_from, CHECKPOINT_DIR)
         logging.info("initialising params from %s", init_from)
         state = state.replace(params=load_params(init_from, backend.abstract_state(
             rng, sample_images).params))
@@ -129,7 +135,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, model: mode
     learning_rate = optim.learning_rate_fn(config)
     backend = build_backend(config, mesh, model, experiment.build_optimizer(config, learning_rate))
     checkpointer = Checkpointer(
-        os.path.join(os.path.abspath(workdir), "checkpoints"),
+        os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR),
         every_steps=config.checkpoint.every_steps, max_to_keep=config.checkpoint.max_to_keep,
         async_save=config.checkpoint["async"], best_metric=config.checkpoint.keep_best or None,
         best_mode=config.checkpoint.keep_best_mode)

@@ -2,6 +2,9 @@
 
 import json
 import os
+import subprocess
+import sys
+import time
 
 from absl import flags
 from ml_collections import config_flags
@@ -55,3 +58,59 @@ def compiled_step(path: str, *overrides: str, devices=None, global_batch_size=12
     batch = backend.put_batch({"image": np.zeros((rows, *image_shape), np.float32),
                                "label": np.zeros((rows,), np.int32)})
     return backend, state, backend.compiled_train_step(state, batch)
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main_env(devices: int = 8, **extra: str) -> dict:
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            "JAX_PLATFORMS": "cpu", **extra}
+
+
+def main_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "jdp.main", *args]
+
+
+def run_main(*args, devices=8, timeout=300) -> subprocess.CompletedProcess:
+    """`python -m jdp.main ARGS` as a user runs it, from the repository root."""
+    return subprocess.run(main_command(*args), cwd=REPO, env=main_env(devices),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start_main(*args, devices=8, **popen) -> subprocess.Popen:
+    return subprocess.Popen(main_command(*args), cwd=REPO, env=main_env(devices), **popen)
+
+
+def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up after {timeout_s} s waiting for {what}")
+        time.sleep(poll_s)
+
+
+def logged_steps(workdir) -> list[int]:
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f if line.endswith("\n")]
+
+
+def read_metrics(workdir) -> list[dict]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def checkpoint_arrays(workdir, step: int) -> dict:
+    """A saved train state as host numpy arrays, whatever topology wrote it."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    path = os.path.join(workdir, "checkpoints", str(step), "default")
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(path).item_metadata.tree
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))

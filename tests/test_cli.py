@@ -1,21 +1,9 @@
 """`python -m jdp.main` as a user runs it: bad input fails with one clear line, exit
 status 2, and nothing written to the workdir."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_main(*args, devices=8, timeout=300):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-           "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-m", "jdp.main", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
+from runs import run_main
 
 BAD_INPUTS = {
     "batch_not_divisible": (

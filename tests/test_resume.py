@@ -1,0 +1,158 @@
+"""Nothing is lost: a killed run resumes bitwise, SIGTERM saves and exits 0, a checkpoint
+resumes on another topology and backend, incomplete checkpoints are skipped, and bad
+resume inputs fail with a clear error."""
+
+import json
+import shutil
+import signal
+import subprocess
+
+import jax
+import numpy as np
+import pytest
+
+from runs import (
+    checkpoint_arrays,
+    logged_steps,
+    losses,
+    read_metrics,
+    run_main,
+    start_main,
+    train,
+    wait_for,
+)
+
+VIT = "experiments/vit.py"
+RUN = ("--config=experiments/vit.py", "--config.total_steps=40", "--config.warmup_steps=4",
+       "--config.log_every_steps=1", "--config.eval_every_steps=0",
+       "--config.checkpoint.every_steps=20", "--config.batch_size=64")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted 40-step run, in a subprocess like the interrupted ones."""
+    workdir = tmp_path_factory.mktemp("reference")
+    proc = run_main(*RUN, f"--workdir={workdir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir
+
+
+def assert_bitwise_equal(tree, ref_tree):
+    for leaf, ref_leaf in zip(jax.tree.leaves(tree), jax.tree.leaves(ref_tree), strict=True):
+        np.testing.assert_array_equal(leaf, ref_leaf)
+
+
+def assert_same_losses_and_no_duplicates(workdir, reference):
+    steps = [r["step"] for r in read_metrics(workdir) if "train/loss" in r]
+    assert steps == sorted(set(steps)), "a resumed run must not log a step twice"
+    assert losses(read_metrics(workdir)) == losses(read_metrics(reference))
+
+
+def test_sigkill_after_a_checkpoint_then_rerun_is_bitwise_identical(reference, tmp_path):
+    workdir = tmp_path / "run"
+    proc = start_main(*RUN, f"--workdir={workdir}", stdout=subprocess.DEVNULL,
+                      stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: (workdir / "checkpoints" / "20").exists()
+                 and max(logged_steps(workdir), default=0) >= 21, 240, "step 21")
+        proc.kill()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (workdir / "checkpoints" / "40").exists(), "killed too late to test a resume"
+    rerun = run_main(*RUN, f"--workdir={workdir}")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resuming from" in rerun.stderr
+    assert_same_losses_and_no_duplicates(workdir, reference)
+    assert_bitwise_equal(checkpoint_arrays(workdir, 40), checkpoint_arrays(reference, 40))
+
+
+def test_sigterm_saves_where_it_is_and_exits_0_then_resumes(reference, tmp_path):
+    workdir = tmp_path / "run"
+    proc = start_main(*RUN, f"--workdir={workdir}", stdout=subprocess.DEVNULL,
+                      stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: max(logged_steps(workdir), default=0) >= 5, 240, "step 5")
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and 5 <= saved[-1] < 40, saved
+    assert "preempted" in stderr
+    rerun = run_main(*RUN, f"--workdir={workdir}")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert_same_losses_and_no_duplicates(workdir, reference)
+    assert_bitwise_equal(checkpoint_arrays(workdir, 40), checkpoint_arrays(reference, 40))
+
+
+def workdir_at_step_20(reference, tmp_path, name):
+    """A copy of the reference run as it was after its step-20 checkpoint."""
+    workdir = tmp_path / name
+    (workdir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(reference / "checkpoints" / "20", workdir / "checkpoints" / "20")
+    shutil.copy(reference / "config.json", workdir / "config.json")
+    with open(workdir / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in read_metrics(reference) if r["step"] <= 20)
+    return workdir
+
+
+@pytest.mark.parametrize("backend,device_count", [("pjit", 4), ("pmap", 8), ("pmap", 2)])
+def test_a_checkpoint_resumes_on_another_topology_and_backend(reference, tmp_path, backend,
+                                                             device_count):
+    workdir = workdir_at_step_20(reference, tmp_path, "moved")
+    # A crash during the save of step 40 leaves a tmp directory behind; it is skipped.
+    (workdir / "checkpoints" / "40.orbax-checkpoint-tmp").mkdir()
+    overrides = [a for a in RUN if not a.startswith("--config=")]
+    result, records = train(VIT, workdir, *overrides, f"--config.parallel.backend={backend}",
+                            devices=jax.devices()[:device_count])
+    reference_losses = losses(read_metrics(reference))
+    resumed = losses(records)
+    assert sorted(resumed) == list(range(1, 41))
+    np.testing.assert_allclose([resumed[s] for s in range(21, 41)],
+                               [reference_losses[s] for s in range(21, 41)], rtol=1e-5)
+    final = checkpoint_arrays(reference, 40)["params"]
+    for (path, leaf), ref_leaf in zip(
+            jax.tree_util.tree_flatten_with_path(jax.device_get(result.state.params))[0],
+            jax.tree.leaves(final), strict=True):
+        if "['key']['bias']" not in jax.tree_util.keystr(path):  # see test_equivalence.py
+            np.testing.assert_allclose(leaf, ref_leaf, rtol=1e-5, atol=1e-6)
+
+
+def test_a_workdir_of_another_config_is_refused_and_left_alone(reference, tmp_path):
+    workdir = workdir_at_step_20(reference, tmp_path, "other")
+    before = sorted(p.name for p in workdir.rglob("*"))
+    proc = run_main(*RUN, f"--workdir={workdir}", "--config.seed=7", "--config.batch_size=128")
+    assert proc.returncode == 2
+    message = proc.stderr.strip().splitlines()[-1]
+    assert "seed: 0 -> 7" in message and "batch_size: 64 -> 128" in message
+    assert "new --workdir" in message
+    assert sorted(p.name for p in workdir.rglob("*")) == before
+
+
+def test_init_from_loads_params_and_starts_at_step_0(reference, tmp_path):
+    result, records = train(VIT, tmp_path / "finetune", *[a for a in RUN[1:]],
+                            "--config.total_steps=2", "--config.warmup_steps=1",
+                            f"--config.checkpoint.init_from={reference}")
+    assert min(r["step"] for r in records) == 1
+    # One step from the reference's params: close to them, far from a fresh init.
+    reference_params = checkpoint_arrays(reference, 40)["params"]
+    kernel = np.asarray(result.state.params["head"]["kernel"])
+    assert np.abs(kernel - reference_params["head"]["kernel"]).max() < 0.05
+
+
+def test_init_from_a_path_with_no_checkpoint_fails_clearly(tmp_path):
+    proc = run_main(*RUN, f"--workdir={tmp_path / 'run'}",
+                    f"--config.checkpoint.init_from={tmp_path / 'nowhere'}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert str(tmp_path / "nowhere") in proc.stderr.strip().splitlines()[-1]
+
+
+def test_init_from_a_different_model_names_the_parameter_and_shapes(reference, tmp_path):
+    proc = run_main(*RUN, f"--workdir={tmp_path / 'run'}", "--config.model.size=tiny",
+                    f"--config.checkpoint.init_from={reference}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    message = proc.stderr.strip().splitlines()[-1]
+    assert "params/encoder_block_0/LayerNorm_0/bias is (64,) in the checkpoint but (192,) " \
+        "in the model" in message
