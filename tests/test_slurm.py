@@ -20,7 +20,10 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from runs import losses, read_metrics, train
 
 pytestmark = pytest.mark.slow
 
@@ -75,18 +78,31 @@ def sum_job(workdir: Path) -> Job:
     return Job([sys.executable, str(SUM_JOB)], _check_sum_job)
 
 
+TRAIN_OVERRIDES = ("--config.total_steps=6", "--config.warmup_steps=1",
+                   "--config.log_every_steps=2", "--config.eval_every_steps=0",
+                   "--config.batch_size=64")
+
+
 def jdp_main_job(workdir: Path) -> Job:
-    # srun already failed the test if any task exited non-zero; tighten this
-    # check (say, the last logged step) once jdp.main's output is settled.
+    """The real trainer in 2 tasks x 4 devices; it must follow the 1 x 8 trajectory."""
+
     def check(output_by_task: dict[int, list[str]]) -> None:
-        assert any(workdir.iterdir()), f"jdp.main wrote nothing into {workdir}"
+        for task in range(NUM_TASKS):
+            assert any(f"[p{task}] step 6/6" in line
+                       for line in output_by_task.get(task, [])), output_by_task
+        _, reference = train("experiments/vit.py", workdir.parent / "reference",
+                             *TRAIN_OVERRIDES)
+        got, expected = losses(read_metrics(workdir)), losses(reference)
+        assert sorted(got) == sorted(expected) == [2, 4, 6]
+        np.testing.assert_allclose([got[s] for s in (2, 4, 6)],
+                                   [expected[s] for s in (2, 4, 6)], rtol=1e-5)
 
     argv = [sys.executable, "-m", "jdp.main", "--config=experiments/vit.py"]
-    return Job([*argv, f"--workdir={workdir}", "--config.total_steps=2"], check)
+    return Job([*argv, f"--workdir={workdir}", *TRAIN_OVERRIDES], check)
 
 
-# The job the srun test runs. To run the real trainer: JOB = jdp_main_job
-JOB = sum_job
+# The job the srun test runs: the real trainer.
+JOB = jdp_main_job
 
 
 def _unavailable(reason: str) -> None:
@@ -208,7 +224,7 @@ def test_srun_tasks_form_one_jax_job(slurm_cluster, tmp_path):
     result = _srun([*srun, *job.argv], name, _job_env())
 
     assert result.returncode == 0, f"srun exited {result.returncode}:\n{result.stderr[-3000:]}"
-    job.check(_output_by_task(result.stdout))
+    job.check(_output_by_task(result.stdout + result.stderr))
 
 
 def _run_sbatch_script(tmp_path: Path, layout: list[str]) -> dict[int, list[str]]:

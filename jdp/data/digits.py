@@ -54,9 +54,6 @@ class Digits(tfds.core.GeneratorBasedBuilder):
 
 def prepare(data_dir: str) -> None:
     """Builds the dataset into `data_dir` once; safe when several processes race."""
-    builder = Digits(data_dir=data_dir, file_format="array_record")
-    if builder.is_prepared():
-        return
     os.makedirs(data_dir, exist_ok=True)
     # Processes of one job on one machine share the data dir: one builds, the
     # others wait on the lock and then find it prepared.
