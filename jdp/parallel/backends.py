@@ -196,9 +196,9 @@ class PmapBackend(Backend):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.local_devices = [d for d in self.mesh.devices.flat
-                              if d.process_index == jax.process_index()]
-        self._local_mesh = Mesh(np.asarray(self.local_devices), (DATA_AXIS,))
+        # pmap's arrays here are global: a leading axis over every device of the
+        # mesh, split over `data`; each process holds the rows of its own devices.
+        self._stacked = NamedSharding(self.mesh, P(DATA_AXIS))
         opts, model = self.options, self.model
 
         def train_step(state, batch):
@@ -212,20 +212,21 @@ class PmapBackend(Backend):
         def eval_step(state, batch):
             return jax.lax.psum(step_lib.eval_sums(model, state, batch), DATA_AXIS)
 
+        # pmap is given every device of the mesh (all processes): its collectives then
+        # span the whole job, while each process feeds and holds its local replicas.
+        devices = list(self.mesh.devices.flat)
         self._train_step = jax.pmap(train_step, axis_name=DATA_AXIS, donate_argnums=0,
-                                    devices=self.local_devices)
-        self._eval_step = jax.pmap(eval_step, axis_name=DATA_AXIS, devices=self.local_devices)
+                                    devices=devices)
+        self._eval_step = jax.pmap(eval_step, axis_name=DATA_AXIS, devices=devices)
 
     def from_global(self, state):
-        """Replicated global arrays -> one replica per local device, stacked on axis 0."""
-        sharding = NamedSharding(self._local_mesh, P(DATA_AXIS))
+        """Replicated global arrays -> one replica per device, stacked on a leading axis."""
 
         def stack(x):
             x = jax.device_put(x, mesh_lib.replicated(self.mesh))  # gathers ZeRO-sharded leaves
-            by_device = {s.device: s.data for s in x.addressable_shards}
-            replicas = [by_device[d][None] for d in self.local_devices]
+            replicas = [shard.data[None] for shard in x.addressable_shards]
             return jax.make_array_from_single_device_arrays(
-                (len(replicas), *x.shape), sharding, replicas)
+                (self.mesh.size, *x.shape), self._stacked, replicas)
 
         return jax.tree.map(stack, state)
 
@@ -240,10 +241,14 @@ class PmapBackend(Backend):
         return jax.tree.map(unstack, state)
 
     def put_batch(self, local_batch):
-        sharding = NamedSharding(self._local_mesh, P(DATA_AXIS))
-        count = len(self.local_devices)
-        return {key: jax.device_put(value.reshape(count, -1, *value.shape[1:]), sharding)
-                for key, value in local_batch.items()}
+        local_count = len(self.mesh.local_devices)
+
+        def put(value):
+            per_device = value.reshape(local_count, -1, *value.shape[1:])
+            return jax.make_array_from_process_local_data(
+                self._stacked, per_device, (self.mesh.size, *per_device.shape[1:]))
+
+        return {key: put(value) for key, value in local_batch.items()}
 
     def train_step(self, state, batch):
         return self._train_step(state, batch)

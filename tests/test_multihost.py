@@ -1,0 +1,116 @@
+"""Several processes on one machine as several hosts (gloo over loopback): the same
+trajectory as one process, a dead host stops the others with a report, and processes
+with different configs refuse to start."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from runs import REPO, checkpoint_arrays, logged_steps, losses, main_env, read_metrics, train
+
+pytestmark = pytest.mark.slow
+
+VIT = "experiments/vit.py"
+TRAIN = ("--config.total_steps=8", "--config.warmup_steps=1", "--config.log_every_steps=2",
+         "--config.eval_every_steps=0", "--config.batch_size=64")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    return train(VIT, tmp_path_factory.mktemp("one"), *TRAIN)
+
+
+@pytest.mark.parametrize("backend", ["pjit", "pmap"])
+def test_two_processes_of_four_devices_follow_one_process_of_eight(one_process, tmp_path,
+                                                                   backend):
+    workdir = tmp_path / "two"
+    proc = subprocess.run(
+        [sys.executable, "launch/local.py", "--num_processes=2", "--devices_per_process=4",
+         "--", sys.executable, "-m", "jdp.main", f"--config={VIT}", f"--workdir={workdir}",
+         *TRAIN, f"--config.parallel.backend={backend}"],
+        cwd=REPO, env=main_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[p0]" in proc.stderr and "[p1]" in proc.stderr
+    reference_result, reference = one_process
+    got, expected = losses(read_metrics(workdir)), losses(reference)
+    assert sorted(got) == sorted(expected) == [2, 4, 6, 8]
+    np.testing.assert_allclose([got[s] for s in sorted(got)],
+                               [expected[s] for s in sorted(expected)], rtol=1e-5)
+    saved = checkpoint_arrays(workdir, 8)["params"]
+    for (path, leaf), ref_leaf in zip(
+            jax.tree_util.tree_flatten_with_path(saved)[0],
+            jax.tree.leaves(jax.device_get(reference_result.state.params)), strict=True):
+        if "['key']['bias']" not in jax.tree_util.keystr(path):  # see test_equivalence.py
+            np.testing.assert_allclose(leaf, ref_leaf, rtol=1e-5, atol=1e-6)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_processes(workdir, per_process_args, devices_per_process=4):
+    port = free_port()
+    children = []
+    for index, extra in enumerate(per_process_args):
+        env = main_env(devices_per_process, JDP_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                       JDP_NUM_PROCESSES=str(len(per_process_args)), JDP_PROCESS_ID=str(index))
+        log = open(workdir / f"p{index}.log", "w")
+        children.append(subprocess.Popen(
+            [sys.executable, "-m", "jdp.main", f"--config={VIT}", f"--workdir={workdir}",
+             *extra], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return children
+
+
+def stop_all(children):
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+
+
+def test_a_killed_process_makes_the_other_exit_with_a_report(tmp_path):
+    timeout_s = 10
+    args = ["--config.total_steps=100000", "--config.log_every_steps=1",
+            f"--config.watchdog_timeout_s={timeout_s}", "--config.batch_size=64"]
+    children = start_processes(tmp_path, [args, args])
+    try:
+        deadline = time.monotonic() + 240
+        while max(logged_steps(tmp_path), default=0) < 3:
+            assert time.monotonic() < deadline and children[0].poll() is None, \
+                (tmp_path / "p0.log").read_text()[-3000:]
+            time.sleep(0.05)
+        children[1].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        children[0].wait(timeout=timeout_s + 30)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        stop_all(children)
+    log = (tmp_path / "p0.log").read_text()
+    assert children[0].returncode != 0
+    assert elapsed <= timeout_s + 30
+    # The report names the missing process (or jax's own heartbeat check fired first).
+    assert "process 1" in log, log[-3000:]
+
+
+def test_processes_with_different_configs_stop_at_start_naming_the_field(tmp_path):
+    children = start_processes(tmp_path, [["--config.seed=0"], ["--config.seed=1"]],
+                               devices_per_process=1)
+    try:
+        codes = [child.wait(timeout=120) for child in children]
+    finally:
+        stop_all(children)
+    assert all(code != 0 for code in codes), codes
+    for index in range(2):
+        log = (tmp_path / f"p{index}.log").read_text()
+        assert "Process 1 differs from process 0 in 'config'" in log, log[-3000:]
+        assert "seed" in log
+    assert not os.path.exists(tmp_path / "config.json")
