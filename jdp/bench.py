@@ -107,9 +107,11 @@ def scaling(args) -> None:
     throughput = {}
     for count in counts:
         step, state, batch = _jdp_step(model, tx, jax.devices()[:count], batch_np)
-        seconds = statistics.median(
-            _time_steps(step, state, batch, args.steps)[0] for _ in range(args.repeats))
-        throughput[count] = args.batch_size / seconds
+        samples = []
+        for _ in range(args.repeats):
+            seconds, state = _time_steps(step, state, batch, args.steps)  # state is donated
+            samples.append(seconds)
+        throughput[count] = args.batch_size / statistics.median(samples)
         print(f"{count} devices: {throughput[count]:.0f} examples/s "
               f"(ViT-{args.model}, global batch {args.batch_size})")
     base = throughput[counts[0]]
