@@ -1,9 +1,10 @@
 """The global device mesh and the shardings jdp places arrays with.
 
 One logical axis, `data`, runs over every device of every process. The
-'hybrid' shape orders it hosts-major (via `create_hybrid_device_mesh`) so
-that neighbouring ranks share a host; either way each process owns one
-contiguous block of rows of every global batch.
+'hybrid' shape orders it with `create_hybrid_device_mesh` (processes as the
+granules: hosts x local devices, each host's devices in its fast-interconnect
+order); either way each process owns one contiguous block of rows of every
+global batch.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def make_mesh(shape: str = "flat", devices=None) -> Mesh:
     if shape == "hybrid" and jax.process_count() > 1:
         local = jax.local_device_count()
         grid = mesh_utils.create_hybrid_device_mesh(
-            (local,), (jax.process_count(),), devices=devices)
+            (local,), (jax.process_count(),), devices=devices, process_is_granule=True)
         device_array = np.asarray(grid).reshape(-1)
     else:
         # Sorting by (process, id) makes every process's devices one block,

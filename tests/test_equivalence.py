@@ -44,7 +44,7 @@ def assert_same_trajectory(run, reference):
                 ids=["vit", "resnet"])
 def runs(request, tmp_path_factory):
     experiment = request.param
-    out = {}
+    out = {"experiment": experiment}
     for name, overrides, devices in [
         ("pjit8", ["--config.parallel.backend=pjit"], None),
         ("pjit1", ["--config.parallel.backend=pjit"], jax.devices()[:1]),
@@ -61,6 +61,14 @@ def test_pjit_on_8_devices_matches_1_device(runs):
 
 def test_pmap_matches_pjit(runs):
     assert_same_trajectory(runs["pmap8"], runs["pjit8"])
+
+
+def test_sharded_state_follows_the_replicated_trajectory(runs, tmp_path):
+    # FSDP-style params sharding on one model, ZeRO-1 on the other: each path once.
+    sharding = {"experiments/vit.py": "shard_params",
+                "experiments/resnet.py": "shard_optimizer_state"}[runs["experiment"]]
+    sharded = train(runs["experiment"], tmp_path, *STEPS, f"--config.parallel.{sharding}=true")
+    assert_same_trajectory(sharded, runs["pjit8"])
 
 
 def test_the_loss_actually_moved(runs):

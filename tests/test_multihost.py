@@ -3,6 +3,7 @@ trajectory as one process, a dead host stops the others with a report, and proce
 with different configs refuse to start."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,31 +25,56 @@ TRAIN = ("--config.total_steps=8", "--config.warmup_steps=1", "--config.log_ever
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    return train(VIT, tmp_path_factory.mktemp("one"), *TRAIN)
+    """1 process x 8 devices, with checkpoints at steps 4 and 8."""
+    workdir = tmp_path_factory.mktemp("one")
+    return (*train(VIT, workdir, *TRAIN, "--config.checkpoint.every_steps=4"), workdir)
+
+
+def launch_local(workdir, devices_per_process, *overrides):
+    return subprocess.run(
+        [sys.executable, "launch/local.py", "--num_processes=2",
+         f"--devices_per_process={devices_per_process}", "--", sys.executable, "-m",
+         "jdp.main", f"--config={VIT}", f"--workdir={workdir}", *TRAIN, *overrides],
+        cwd=REPO, env=main_env(), capture_output=True, text=True, timeout=300)
+
+
+def assert_params_match(saved, reference_params):
+    for (path, leaf), ref_leaf in zip(jax.tree_util.tree_flatten_with_path(saved)[0],
+                                      jax.tree.leaves(jax.device_get(reference_params)),
+                                      strict=True):
+        if "['key']['bias']" not in jax.tree_util.keystr(path):  # see test_equivalence.py
+            np.testing.assert_allclose(leaf, ref_leaf, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", ["pjit", "pmap"])
 def test_two_processes_of_four_devices_follow_one_process_of_eight(one_process, tmp_path,
                                                                    backend):
     workdir = tmp_path / "two"
-    proc = subprocess.run(
-        [sys.executable, "launch/local.py", "--num_processes=2", "--devices_per_process=4",
-         "--", sys.executable, "-m", "jdp.main", f"--config={VIT}", f"--workdir={workdir}",
-         *TRAIN, f"--config.parallel.backend={backend}"],
-        cwd=REPO, env=main_env(), capture_output=True, text=True, timeout=300)
+    proc = launch_local(workdir, 4, f"--config.parallel.backend={backend}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[p0]" in proc.stderr and "[p1]" in proc.stderr
-    reference_result, reference = one_process
+    reference_result, reference, _ = one_process
     got, expected = losses(read_metrics(workdir)), losses(reference)
     assert sorted(got) == sorted(expected) == [2, 4, 6, 8]
     np.testing.assert_allclose([got[s] for s in sorted(got)],
                                [expected[s] for s in sorted(expected)], rtol=1e-5)
-    saved = checkpoint_arrays(workdir, 8)["params"]
-    for (path, leaf), ref_leaf in zip(
-            jax.tree_util.tree_flatten_with_path(saved)[0],
-            jax.tree.leaves(jax.device_get(reference_result.state.params)), strict=True):
-        if "['key']['bias']" not in jax.tree_util.keystr(path):  # see test_equivalence.py
-            np.testing.assert_allclose(leaf, ref_leaf, rtol=1e-5, atol=1e-6)
+    assert_params_match(checkpoint_arrays(workdir, 8)["params"], reference_result.state.params)
+
+
+def test_a_one_process_checkpoint_resumes_on_two_processes_with_a_hybrid_mesh(one_process,
+                                                                             tmp_path):
+    reference_result, reference, reference_dir = one_process
+    workdir = tmp_path / "moved"
+    shutil.copytree(reference_dir / "checkpoints" / "4", workdir / "checkpoints" / "4")
+    shutil.copy(reference_dir / "config.json", workdir / "config.json")
+    proc = launch_local(workdir, 2, "--config.parallel.mesh=hybrid",
+                        "--config.checkpoint.every_steps=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stderr and "over 4 devices in 2 processes" in proc.stderr
+    got, expected = losses(read_metrics(workdir)), losses(reference)
+    assert sorted(got) == [6, 8]
+    np.testing.assert_allclose([got[6], got[8]], [expected[6], expected[8]], rtol=1e-5)
+    assert_params_match(checkpoint_arrays(workdir, 8)["params"], reference_result.state.params)
 
 
 def free_port() -> int:
@@ -99,6 +125,28 @@ def test_a_killed_process_makes_the_other_exit_with_a_report(tmp_path):
     assert elapsed <= timeout_s + 30
     # The report names the missing process (or jax's own heartbeat check fired first).
     assert "process 1" in log, log[-3000:]
+
+
+def test_sigterm_to_one_process_saves_on_all_at_one_step_and_exits_0(tmp_path):
+    args = ["--config.total_steps=100000", "--config.log_every_steps=1",
+            "--config.batch_size=64"]
+    children = start_processes(tmp_path, [args, args], devices_per_process=2)
+    try:
+        deadline = time.monotonic() + 240
+        while max(logged_steps(tmp_path), default=0) < 3:
+            assert time.monotonic() < deadline and children[0].poll() is None, \
+                (tmp_path / "p0.log").read_text()[-3000:]
+            time.sleep(0.05)
+        children[1].send_signal(signal.SIGTERM)
+        codes = [child.wait(timeout=120) for child in children]
+    finally:
+        stop_all(children)
+    logs = [(tmp_path / f"p{i}.log").read_text() for i in range(2)]
+    assert codes == [0, 0], [log[-2000:] for log in logs]
+    steps = [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
+    assert len(steps) == 1 and steps[0] >= 3
+    for log in logs:
+        assert f"saved a checkpoint at step {steps[0]}" in log
 
 
 def test_processes_with_different_configs_stop_at_start_naming_the_field(tmp_path):
