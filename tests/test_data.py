@@ -109,3 +109,28 @@ def test_preprocessing_normalises_and_augments_within_the_image():
     augmented = datasets.make_preprocess(spec, train=True, augment=True)(
         example, np.random.default_rng(0))
     assert augmented["image"].shape == (8, 8, 1)
+
+
+def test_imagenet_preprocessing_resizes_and_crops_any_image_to_the_model_size():
+    spec = datasets.spec("imagenet2012")
+    image = np.random.default_rng(0).integers(0, 256, (300, 451, 3), dtype=np.uint8)
+    for train, augment in [(False, False), (True, True)]:
+        out = datasets.make_preprocess(spec, train=train, augment=augment)(
+            {"image": image, "label": 7}, np.random.default_rng(1))
+        assert out["image"].shape == (224, 224, 3) and out["image"].dtype == np.float32
+        assert out["label"] == 7
+
+
+def test_encoded_images_are_decoded():
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((32, 32, 3), 200, np.uint8)).save(buffer, format="PNG")
+    spec = datasets.spec("cifar10")
+    out = datasets.make_preprocess(spec, train=False, augment=False)(
+        {"image": buffer.getvalue(), "label": 1}, None)
+    assert out["image"].shape == (32, 32, 3)
+    np.testing.assert_allclose(out["image"][0, 0], (200 / 255 - np.array(spec.mean)) /
+                               np.array(spec.std), rtol=1e-5)

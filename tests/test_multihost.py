@@ -96,6 +96,14 @@ def start_processes(workdir, per_process_args, devices_per_process=4):
     return children
 
 
+def wait_for_step(step, workdir, children, timeout_s=240):
+    deadline = time.monotonic() + timeout_s
+    while max(logged_steps(workdir), default=0) < step:
+        assert time.monotonic() < deadline and all(c.poll() is None for c in children), \
+            (workdir / "p0.log").read_text()[-3000:]
+        time.sleep(0.05)
+
+
 def stop_all(children):
     for child in children:
         if child.poll() is None:
@@ -109,11 +117,7 @@ def test_a_killed_process_makes_the_other_exit_with_a_report(tmp_path):
             f"--config.watchdog_timeout_s={timeout_s}", "--config.batch_size=64"]
     children = start_processes(tmp_path, [args, args])
     try:
-        deadline = time.monotonic() + 240
-        while max(logged_steps(tmp_path), default=0) < 3:
-            assert time.monotonic() < deadline and children[0].poll() is None, \
-                (tmp_path / "p0.log").read_text()[-3000:]
-            time.sleep(0.05)
+        wait_for_step(3, tmp_path, children)
         children[1].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         children[0].wait(timeout=timeout_s + 30)
@@ -132,11 +136,7 @@ def test_sigterm_to_one_process_saves_on_all_at_one_step_and_exits_0(tmp_path):
             "--config.batch_size=64"]
     children = start_processes(tmp_path, [args, args], devices_per_process=2)
     try:
-        deadline = time.monotonic() + 240
-        while max(logged_steps(tmp_path), default=0) < 3:
-            assert time.monotonic() < deadline and children[0].poll() is None, \
-                (tmp_path / "p0.log").read_text()[-3000:]
-            time.sleep(0.05)
+        wait_for_step(3, tmp_path, children)
         children[1].send_signal(signal.SIGTERM)
         codes = [child.wait(timeout=120) for child in children]
     finally:
