@@ -73,6 +73,32 @@ class StepTimer:
         return (self.total_steps - step) * step_time_s
 
 
+# Dense bfloat16 peak FLOP/s per device, by `device_kind` prefix (vendor data sheets).
+_PEAK_BF16_FLOPS = (("NVIDIA H200", 989e12), ("NVIDIA H100", 989e12), ("NVIDIA A100", 312e12),
+                    ("TPU v6 lite", 918e12), ("TPU v5p", 459e12), ("TPU v5 lite", 197e12),
+                    ("TPU v4", 275e12))
+
+
+def peak_flops_per_s(device_kind: str) -> float | None:
+    """The device's dense bf16 peak, for MFU; None where unknown (CPUs, other chips)."""
+    for prefix, peak in _PEAK_BF16_FLOPS:
+        if device_kind.startswith(prefix):
+            return peak
+    return None
+
+
+def compute_metrics(flops_per_step: float | None, step_time_s: float,
+                    peak: float | None) -> dict[str, float]:
+    """Achieved FLOP/s per device (XLA's count for the compiled step) and MFU."""
+    if not flops_per_step:
+        return {}
+    achieved = flops_per_step / step_time_s
+    out = {"train/tflops_per_s_per_device": achieved / 1e12}
+    if peak:
+        out["train/mfu"] = achieved / peak
+    return out
+
+
 def format_duration(seconds: float) -> str:
     seconds = int(seconds)
     hours, rest = divmod(seconds, 3600)
@@ -81,11 +107,12 @@ def format_duration(seconds: float) -> str:
 
 
 def log_train(step: int, total_steps: int, metrics: dict[str, float], eta_s: float) -> None:
+    mfu = f"  MFU {100 * metrics['train/mfu']:.1f}%" if "train/mfu" in metrics else ""
     logging.info(
-        "step %d/%d (%.0f%%)  loss %.4f  lr %.3g  %.0f examples/s  %.1f ms/step  ETA %s",
+        "step %d/%d (%.0f%%)  loss %.4f  lr %.3g  %.0f examples/s  %.1f ms/step%s  ETA %s",
         step, total_steps, 100.0 * step / total_steps, metrics["train/loss"],
         metrics["train/learning_rate"], metrics["train/examples_per_s"],
-        1000 * metrics["train/step_time_s"], format_duration(eta_s))
+        1000 * metrics["train/step_time_s"], mfu, format_duration(eta_s))
 
 
 def log_eval(step: int, metrics: dict[str, float]) -> None:

@@ -177,6 +177,8 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, model: mode
                 "--config.learning_rate, set --config.grad_clip_norm, or use float32 compute.")
         values["train/learning_rate"] = float(learning_rate(step - 1))
         values.update(timer.lap(step))
+        values.update(metrics_lib.compute_metrics(flops_per_step, values["train/step_time_s"],
+                                                  peak_flops))
         metrics_lib.log_train(step, total_steps, values,
                               timer.eta_s(step, values["train/step_time_s"]))
         writer.write(step, values)
@@ -184,6 +186,8 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, model: mode
     # -- 5. The loop -------------------------------------------------------------
     final_eval: dict = {}
     pending = None  # (step, device metrics) of a log step, read after the next dispatch
+    flops_per_step = None  # per device, from XLA's cost analysis of the compiled step
+    peak_flops = metrics_lib.peak_flops_per_s(mesh.devices.flat[0].device_kind)
     try:
         if start_step < total_steps:
             first_batch = next(batches)
@@ -191,6 +195,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, model: mode
             compiled = backend.compiled_train_step(state, first_batch)
             logging.info("compiled the train step in %.1f s", time.monotonic() - t0)
             _log_compiled(compiled)
+            flops_per_step = (compiled.cost_analysis() or {}).get("flops")
             timer.start(start_step)
             if watchdog:
                 watchdog.start()

@@ -29,7 +29,7 @@ def test_a_short_run_lowers_the_loss(vit_run):
 def test_metrics_have_the_documented_keys(vit_run):
     result, records, workdir = vit_run
     train_keys = {"train/loss", "train/learning_rate", "train/examples_per_s",
-                  "train/step_time_s"}
+                  "train/step_time_s", "train/tflops_per_s_per_device"}
     assert all(train_keys <= set(r) for r in records if "train/loss" in r)
     evals = [r for r in records if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [15, 30]
@@ -106,3 +106,13 @@ def test_a_users_nnx_experiment_with_a_custom_optax_chain_trains(tmp_path):
     norm = result.state.model_state["norm"]
     assert not np.allclose(np.asarray(norm["mean"]), 0.0)
     assert not np.allclose(np.asarray(norm["var"]), 1.0)
+
+
+def test_mfu_is_reported_against_the_device_peak_only_where_it_is_known():
+    from jdp import metrics
+
+    assert metrics.peak_flops_per_s("cpu") is None
+    assert metrics.peak_flops_per_s("NVIDIA H100 80GB HBM3") == 989e12
+    on_gpu = metrics.compute_metrics(494.5e12, 1.0, metrics.peak_flops_per_s("NVIDIA H100"))
+    assert on_gpu == {"train/tflops_per_s_per_device": 494.5, "train/mfu": 0.5}
+    assert "train/mfu" not in metrics.compute_metrics(1e9, 1.0, None)
