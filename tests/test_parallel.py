@@ -52,7 +52,7 @@ def test_bfloat16_gradient_reduction_halves_the_all_reduce_bytes():
     for dtype in ("float32", "bfloat16"):
         backend, state, _ = compiled_step(VIT, f"--config.parallel.grad_reduce_dtype={dtype}")
         batch = {"image": np.zeros((128, 8, 8, 1), np.float32), "label": np.zeros(128, np.int32)}
-        lowered = backend._jitted(state).lower(state, backend.put_batch(batch))
+        lowered = backend.lowered_train_step(state, backend.put_batch(batch))
         texts[dtype] = lowered.as_text(dialect="hlo")
     f32, bf16 = (_gradient_reduce_bytes(texts[d]) for d in ("float32", "bfloat16"))
     metrics_bytes = 2 * 4  # loss and accuracy stay float32

@@ -111,14 +111,16 @@ class Backend:
     def put_batch(self, local_batch: dict[str, np.ndarray]):
         raise NotImplementedError
 
-    def train_step(self, state, batch):
-        raise NotImplementedError
-
-    def eval_step(self, state, batch) -> dict:
+    def lowered_train_step(self, state, batch):
+        """The train step lowered for these arguments: the program before XLA optimises it."""
         raise NotImplementedError
 
     def compiled_train_step(self, state, batch):
-        """The compiled train step, for memory_analysis() and HLO inspection."""
+        """The compiled train step: called as `(state, batch) -> (state, metrics)` and read
+        for memory_analysis(), cost_analysis() and the optimised HLO."""
+        return self.lowered_train_step(state, batch).compile(self.options.compiler_options)
+
+    def eval_step(self, state, batch) -> dict:
         raise NotImplementedError
 
     def fetch(self, tree) -> Any:
@@ -178,11 +180,8 @@ class PjitBackend(Backend):
             )
         return self._train_step
 
-    def train_step(self, state, batch):
-        return self._jitted(state)(state, batch)
-
-    def compiled_train_step(self, state, batch):
-        return self._jitted(state).lower(state, batch).compile(self.options.compiler_options)
+    def lowered_train_step(self, state, batch):
+        return self._jitted(state).lower(state, batch)
 
     def eval_step(self, state, batch):
         return self._eval_step(state, batch)
@@ -250,11 +249,8 @@ class PmapBackend(Backend):
 
         return {key: put(value) for key, value in local_batch.items()}
 
-    def train_step(self, state, batch):
-        return self._train_step(state, batch)
-
-    def compiled_train_step(self, state, batch):
-        return self._train_step.lower(state, batch).compile(self.options.compiler_options)
+    def lowered_train_step(self, state, batch):
+        return self._train_step.lower(state, batch)
 
     def eval_step(self, state, batch):
         return self._eval_step(state, batch)
