@@ -96,18 +96,22 @@ def _fail(field: str, value, why: str, fix: str) -> None:
     raise ConfigError(f"config.{field}={value!r}: {why}. Fix: {fix}.")
 
 
-def _check_choice(config: ml_collections.ConfigDict, field: str, choices) -> None:
+def _get(config: ml_collections.ConfigDict, field: str):
+    """The value at a dotted path such as 'parallel.backend'."""
     value = config
     for part in field.split("."):
         value = value[part]
+    return value
+
+
+def _check_choice(config: ml_collections.ConfigDict, field: str, choices) -> None:
+    value = _get(config, field)
     if value not in choices:
         _fail(field, value, "unknown value", f"use one of {', '.join(map(repr, choices))}")
 
 
 def _check_positive(config: ml_collections.ConfigDict, field: str, allow_zero=False) -> None:
-    value = config
-    for part in field.split("."):
-        value = value[part]
+    value = _get(config, field)
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         _fail(field, value, f"must be {bound}", f"pass --config.{field}=<a value {bound}>")
@@ -143,7 +147,7 @@ def validate(config: ml_collections.ConfigDict, device_count: int, process_count
     from jdp.models.remat import REMAT_POLICIES
 
     for field in ("batch_size", "total_steps", "log_every_steps", "grad_accum_steps",
-                  "base_batch_size", "learning_rate"):
+                  "base_batch_size", "learning_rate", "checkpoint.max_to_keep"):
         _check_positive(config, field)
     for field in ("eval_every_steps", "warmup_steps", "eval_batch_size", "weight_decay",
                   "grad_clip_norm", "checkpoint.every_steps", "watchdog_timeout_s"):

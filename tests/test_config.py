@@ -64,6 +64,7 @@ def test_accumulation_must_divide_the_per_device_batch():
     ("lr_scaling", "cubic", "unknown value"),
     ("data.name", "mnist2", "unknown dataset"),
     ("total_steps", 0, "must be > 0"),
+    ("checkpoint.max_to_keep", 0, "must be > 0"),
 ])
 def test_invalid_values_name_the_field(field, value, message):
     config = parse(f"--config={VIT}")
