@@ -8,19 +8,18 @@ raises `ConfigError` with one line naming the field, the value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import ml_collections
+
+from jdp.errors import ConfigError
 
 BACKENDS = ("pjit", "pmap")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 LR_SCALINGS = ("none", "linear", "sqrt")
 MESH_SHAPES = ("flat", "hybrid")
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the field and the fix."""
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -44,9 +43,23 @@ def defaults() -> ml_collections.ConfigDict:
     c.remat = "none"
     c.crash_on_nan = True
 
+    # The data, when the experiment file defines no build_data(config): a TFDS
+    # dataset by name (the built-in `digits`, or any prepared in data_dir), or the
+    # user's own .npz / ArrayRecord files. Empty / 0 values come from the
+    # dataset's preset or its TFDS metadata.
     c.data = ml_collections.ConfigDict()
-    c.data.name = "digits"
+    c.data.name = "digits"  # a TFDS name; ignored when train_files is set
     c.data.data_dir = ""  # "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
+    c.data.train_split = ""  # TFDS split with slicing, e.g. "train[:90%]"
+    c.data.eval_split = ""
+    c.data.train_files = ""  # globs of .npz or .array_record files (instead of TFDS)
+    c.data.eval_files = ""
+    c.data.image_key = "image"
+    c.data.label_key = "label"
+    c.data.num_classes = 0
+    c.data.image_size = 0  # model input height = width
+    c.data.mean = ()  # per channel, on the 0..1 scale
+    c.data.std = ()
     c.data.augment = False
     c.data.num_threads = 4
 
@@ -159,6 +172,8 @@ def validate(config: ml_collections.ConfigDict, device_count: int, process_count
     _check_choice(config, "lr_scaling", LR_SCALINGS)
     _check_choice(config, "remat", REMAT_POLICIES)
     _check_choice(config, "checkpoint.keep_best_mode", ("max", "min"))
+    for field in ("data.num_classes", "data.image_size"):
+        _check_positive(config, field, allow_zero=True)
     if config.parallel.backend == "pmap":
         for field in ("shard_optimizer_state", "shard_params"):
             if config.parallel[field]:
@@ -167,10 +182,6 @@ def validate(config: ml_collections.ConfigDict, device_count: int, process_count
     if config.warmup_steps >= config.total_steps:
         _fail("warmup_steps", config.warmup_steps,
               f"must be below total_steps ({config.total_steps})", "shorten the warmup")
-
-    from jdp.data import datasets
-
-    datasets.spec(config.data.name)  # raises ConfigError for an unknown dataset
 
     plan = batch_plan(config.batch_size, config.grad_accum_steps, device_count, process_count)
     eval_batch = config.eval_batch_size or config.batch_size
@@ -224,6 +235,10 @@ def resume_differences(saved: dict, current: dict) -> list[str]:
         return any(path == f or path.startswith(f + ".") for f in RESUMABLE_CHANGES)
 
     saved_flat, current_flat = _flatten(saved), _flatten(current)
+    # A field added to jdp after the run was saved, at its default, changes nothing.
+    added = {path: value for path, value in _flatten(json.loads(defaults().to_json())).items()
+             if path not in saved_flat and current_flat.get(path) == value}
+    saved_flat.update(added)
     return [f"{path}: {saved_flat.get(path, '<absent>')!r} -> "
             f"{current_flat.get(path, '<absent>')!r}"
             for path in sorted(set(saved_flat) | set(current_flat))

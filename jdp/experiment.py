@@ -1,12 +1,16 @@
-"""Loading an experiment file: `get_config(arg)`, `build_model` and optionally
-`build_optimizer`.
+"""Loading an experiment file: `get_config(arg)`, `build_model` and the optional hooks.
 
     def get_config(arg=None) -> ml_collections.ConfigDict      # start from jdp.config.defaults()
     def build_model(config, *, num_classes) -> flax.linen.Module
     def build_model(config, *, num_classes, rngs) -> flax.nnx.Module   # NNX: take `rngs`
     def build_optimizer(config, learning_rate_fn) -> optax.GradientTransformation  # optional
+    def build_data(config) -> jdp.data.Data                     # optional
+    def build_task(config) -> jdp.task.Task                     # optional
 
-Without `build_optimizer`, jdp uses AdamW (`jdp.optim.adamw`).
+`num_classes` is passed only when `build_model` takes it. Without
+`build_optimizer`, jdp uses AdamW (`jdp.optim.adamw`); without `build_data`, the
+data the config names (`jdp.data.default`); without `build_task`, softmax
+classification of `image` into `label` (`jdp.task.classification`).
 """
 
 from __future__ import annotations
@@ -18,15 +22,35 @@ import os
 import sys
 from collections.abc import Callable
 
-from jdp import optim
-from jdp.config import ConfigError
+import jax
+import numpy as np
+
+from jdp import DATA_AXIS, modeling, optim
+from jdp import task as task_lib
+from jdp.data import core as data_core
+from jdp.data import default as default_data
+from jdp.data.core import Data
+from jdp.errors import ConfigError
+
+
+def _default_task(config) -> task_lib.Task:
+    return task_lib.classification(config.label_smoothing)
 
 
 @dataclasses.dataclass(frozen=True)
 class Experiment:
     path: str
     build_model: Callable
-    build_optimizer: Callable
+    build_optimizer: Callable = optim.adamw
+    build_data: Callable = default_data.build
+    build_task: Callable = _default_task
+
+    def hook_name(self, hook: str) -> str:
+        """How errors name a hook: the experiment's own function, or jdp's default."""
+        function = getattr(self, hook)
+        if function.__module__.startswith("jdp."):
+            return f"jdp's default {hook} ({function.__module__}.{function.__name__})"
+        return f"{hook}() in {self.path}"
 
 
 def load(path: str) -> Experiment:
@@ -42,5 +66,97 @@ def load(path: str) -> Experiment:
     if not callable(getattr(module, "build_model", None)):
         raise ConfigError(f"--config={path!r}: the experiment file defines no build_model(config, "
                           "*, num_classes). Fix: add one that returns the Flax model to train.")
-    return Experiment(path=path, build_model=module.build_model,
-                      build_optimizer=getattr(module, "build_optimizer", optim.adamw))
+    hooks = {hook: getattr(module, hook) for hook in ("build_optimizer", "build_data",
+                                                      "build_task")
+             if callable(getattr(module, hook, None))}
+    return Experiment(path=path, build_model=module.build_model, **hooks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """An experiment's pieces, built from the config and checked against each other."""
+
+    data: Data
+    task: task_lib.Task
+    model: modeling.Model
+    sample: dict[str, np.ndarray]  # one preprocessed eval example
+
+    def sample_inputs(self) -> tuple:
+        """The model inputs for initialisation: zeros of one example's shapes."""
+        return tuple(np.zeros((1, *np.shape(value)), np.asarray(value).dtype)
+                     for value in self.task.model_inputs(self.sample))
+
+
+def build(experiment: Experiment, config) -> Parts:
+    """Builds data, task and model, and traces model + objective once on abstract values.
+
+    Everything a user's hooks can get wrong (a source without a length, a missing
+    feature, a loss without weights or with a mean instead of per-example values)
+    fails here with one line naming the hook, before anything is compiled or written.
+    """
+    data = _call(experiment, "build_data", config)
+    sample = data_core.check(data, experiment.hook_name("build_data"))
+    task = _call(experiment, "build_task", config)
+    if not isinstance(task, task_lib.Task):
+        raise ConfigError(f"{experiment.hook_name('build_task')} returned "
+                          f"{type(task).__name__}. Fix: return jdp.task.Task(objective, inputs).")
+    try:
+        model = modeling.build(experiment.build_model, config, data.num_classes)
+    except (ValueError, KeyError, AttributeError, TypeError) as e:
+        raise ConfigError(f"building the model with {experiment.hook_name('build_model')}: "
+                          f"{e}") from e
+    parts = Parts(data, task, model, sample)
+    _check_task(experiment, parts)
+    return parts
+
+
+def _call(experiment: Experiment, hook: str, config):
+    try:
+        return getattr(experiment, hook)(config)
+    except ConfigError:
+        raise
+    except (ValueError, KeyError, AttributeError, TypeError, OSError) as e:
+        raise ConfigError(f"{experiment.hook_name(hook)} failed: {type(e).__name__}: {e}") from e
+
+
+def _check_task(experiment: Experiment, parts: Parts) -> None:
+    task_name = experiment.hook_name("build_task")
+    missing = [name for name in parts.task.inputs if name not in parts.sample]
+    if missing:
+        raise ConfigError(
+            f"{task_name}: the model inputs {missing} are not features of the preprocessed "
+            f"examples (they have {sorted(parts.sample)}). Fix: name those features in "
+            "Task(inputs=...), or return them from the preprocessing in build_data.")
+    rows = 2
+    batch = {key: np.stack([value] * rows) for key, value in parts.sample.items()}
+
+    def trace(batch):
+        rng = jax.random.key(0)
+        params, model_state = parts.model.init(rng, parts.task.model_inputs(batch))
+        outputs, _ = parts.model.apply(params, model_state, parts.task.model_inputs(batch),
+                                       True, rng)
+        return (parts.task.objective_for(train=True)(outputs, batch),
+                parts.task.objective_for(train=False)(outputs, batch))
+
+    # Traced as one device of a mapped data axis, which BatchNorm over the global
+    # batch names; the leading axis of 1 is dropped again from the results.
+    one_device = jax.vmap(trace, axis_name=DATA_AXIS)
+    try:
+        objectives = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype),
+            jax.eval_shape(one_device, jax.tree.map(lambda x: x[None], batch)))
+    except KeyError as e:
+        raise ConfigError(
+            f"{task_name}: the objective reads batch[{e.args[0]!r}], which the preprocessing "
+            f"does not return (it gives {sorted(parts.sample)}). Fix: return that feature from "
+            "the preprocessing, or read one of those.") from e
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{task_name}: calling the model and the objective on a batch of "
+                          f"{rows} examples failed: {type(e).__name__}: {e}") from e
+    for objective, which in zip(objectives, ("objective", "eval_objective"), strict=True):
+        try:
+            task_lib.check_objective(objective, rows, f"the task's {which}")
+        except ValueError as e:
+            raise ConfigError(f"{task_name}: {e}. Fix: return per-example (or per-token) values "
+                              "with weights of the same shape: "
+                              "Objective(Weighted(loss, weights), {name: Weighted(...)}).") from e

@@ -18,11 +18,10 @@ from ml_collections import config_flags
 
 import jdp
 from jdp import config as config_lib
-from jdp import distributed, modeling, train
+from jdp import distributed, train
 from jdp import experiment as experiment_lib
 from jdp.checkpoint import CheckpointError
-from jdp.config import ConfigError
-from jdp.data import datasets
+from jdp.errors import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment file defining get_config(arg); `path.py:arg` passes arg.",
@@ -35,6 +34,8 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the j
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in the job.")
 _DISTRIBUTED_TIMEOUT = flags.DEFINE_float(
     "distributed_timeout_s", 300.0, "Give up joining the job after this many seconds.")
+
+_JDP_FLAGS = (_CONFIG, _WORKDIR, _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID, _DISTRIBUTED_TIMEOUT)
 
 
 class UsageError(Exception):
@@ -59,18 +60,17 @@ def run(config, config_path: str, workdir: str, devices=None):
     experiment = experiment_lib.load(config_path)
     device_count = jax.device_count() if devices is None else len(devices)
     plan = config_lib.validate(config, device_count, jax.process_count())
-    model = _build_model(experiment, config)
     config_json = config.to_json_best_effort(indent=2, sort_keys=True)
     distributed.check_same_across_processes(
         {"config": config_json, "jdp": jdp.__version__, "jax": jax.__version__})
     _check_resumable(workdir, json.loads(config_json))
-    datasets.check_prepared(config.data.name, datasets.resolve_data_dir(config.data.data_dir))
+    parts = experiment_lib.build(experiment, config)  # data, task and model, checked
 
     if jax.process_index() == 0:
         _make_workdir(workdir)
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config_json + "\n")
-    return train.train_and_evaluate(config, workdir, experiment, model, plan, devices)
+    return train.train_and_evaluate(config, workdir, experiment, parts, plan, devices)
 
 
 def _check_resumable(workdir: str, config: dict) -> None:
@@ -88,19 +88,14 @@ def _check_resumable(workdir: str, config: dict) -> None:
             "to resume it.")
 
 
-def _build_model(experiment, config):
-    """Builds the model now, so a bad model setting fails before anything is written."""
-    try:
-        return modeling.build(experiment.build_model, config,
-                              datasets.spec(config.data.name).num_classes)
-    except (ValueError, KeyError, AttributeError) as e:
-        raise ConfigError(f"building the model from {experiment.path}: {e}") from e
-
-
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing with one-line errors for bad overrides instead of tracebacks."""
     try:
         return flags.FLAGS(argv)
+    except flags.UnrecognizedFlagError as e:
+        known = ", ".join(f"--{holder.name}" for holder in _JDP_FLAGS)
+        _fail(f"unknown flag --{e.flagname}. Fix: use jdp's flags ({known}), or "
+              "--config.KEY=VALUE to override a config field.")
     except flags.Error as e:
         _fail(f"{e}. Fix: pass a value of the field's type (see the experiment's get_config).")
     except AttributeError as e:  # ConfigDict: an override naming no existing field

@@ -116,5 +116,7 @@ def log_train(step: int, total_steps: int, metrics: dict[str, float], eta_s: flo
 
 
 def log_eval(step: int, metrics: dict[str, float]) -> None:
-    logging.info("eval at step %d: loss %.4f  accuracy %.4f  (%d examples)", step,
-                 metrics["eval/loss"], metrics["eval/accuracy"], metrics["eval/num_examples"])
+    names = "".join(f"  {key[len('eval/'):]} {value:.4f}" for key, value in metrics.items()
+                    if key not in ("eval/loss", "eval/num_examples"))
+    logging.info("eval at step %d: loss %.4f%s  (%d examples)", step, metrics["eval/loss"],
+                 names, metrics["eval/num_examples"])

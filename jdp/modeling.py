@@ -1,10 +1,12 @@
 """One functional interface over Linen and NNX models.
 
-The trainer only sees `Model.init(rng, images) -> (params, model_state)` and
-`Model.apply(params, model_state, images, train, rng) -> (logits,
-model_state)`: params are what the optimizer updates, model_state is the
-rest (BatchNorm statistics; NNX RNG counters). Both are plain pytrees, so
-the backends, the optimizer and Orbax need not know which API built them.
+The trainer only sees `Model.init(rng, inputs) -> (params, model_state)` and
+`Model.apply(params, model_state, inputs, train, rng) -> (outputs,
+model_state)`, where `inputs` is the tuple of batch features the task names
+(images; token ids; several arrays) passed to the module positionally.
+params are what the optimizer updates, model_state is the rest (BatchNorm
+statistics; NNX RNG counters). Both are plain pytrees, so the backends, the
+optimizer and Orbax need not know which API built them.
 """
 
 from __future__ import annotations
@@ -28,21 +30,21 @@ class Model:
 
 
 def from_linen(module: nn.Module) -> Model:
-    """A Linen module called as `module(images, train=...)`, dropout from the 'dropout' rng."""
+    """A Linen module called as `module(*inputs, train=...)`, dropout from the 'dropout' rng."""
 
-    def init(rng, images):
-        variables = dict(module.init({"params": rng, "dropout": rng}, images, train=False))
+    def init(rng, inputs):
+        variables = dict(module.init({"params": rng, "dropout": rng}, *inputs, train=False))
         params = variables.pop("params")
         return params, variables
 
-    def apply(params, model_state, images, train, rng):
+    def apply(params, model_state, inputs, train, rng):
         variables = {"params": params, **model_state}
         rngs = {"dropout": rng}
         if train and model_state:
-            logits, updated = module.apply(
-                variables, images, train=True, rngs=rngs, mutable=list(model_state))
-            return logits, {**model_state, **updated}
-        return module.apply(variables, images, train=train, rngs=rngs), model_state
+            outputs, updated = module.apply(
+                variables, *inputs, train=True, rngs=rngs, mutable=list(model_state))
+            return outputs, {**model_state, **updated}
+        return module.apply(variables, *inputs, train=train, rngs=rngs), model_state
 
     return Model(init, apply)
 
@@ -57,25 +59,37 @@ def from_nnx(factory: Callable[[nnx.Rngs], nnx.Module]) -> Model:
         _, params, rest = nnx.split(module, nnx.Param, ...)
         return nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
-    def init(rng, images):
-        del images  # NNX modules are built with their shapes
+    def init(rng, inputs):
+        del inputs  # NNX modules are built with their shapes
         return split(factory(nnx.Rngs(rng)))
 
-    def apply(params, model_state, images, train, rng):
+    def apply(params, model_state, inputs, train, rng):
         del rng  # NNX modules carry their own RNG streams in model_state
         module = nnx.merge(graphdef, params, model_state)
         module.train() if train else module.eval()
-        logits = module(images)
-        return logits, split(module)[1]
+        outputs = module(*inputs)
+        return outputs, split(module)[1]
 
     return Model(init, apply)
 
 
-def build(build_model: Callable, config, num_classes: int) -> Model:
-    """Calls the experiment's `build_model`; NNX if it takes `rngs`, else Linen."""
-    if "rngs" in inspect.signature(build_model).parameters:
-        return from_nnx(lambda rngs: build_model(config, num_classes=num_classes, rngs=rngs))
-    module = build_model(config, num_classes=num_classes)
+def build(build_model: Callable, config, num_classes: int | None) -> Model:
+    """Calls the experiment's `build_model`; NNX if it takes `rngs`, else Linen.
+
+    `num_classes` (from the data) is passed when `build_model` takes it.
+    """
+    parameters = inspect.signature(build_model).parameters
+    kwargs = {}
+    if "num_classes" in parameters:
+        if num_classes is None:
+            raise ValueError(
+                "build_model takes num_classes, but the data does not say how many classes "
+                "there are. Fix: set --config.data.num_classes, or return "
+                "jdp.data.Data(..., num_classes=N) from build_data")
+        kwargs["num_classes"] = num_classes
+    if "rngs" in parameters:
+        return from_nnx(lambda rngs: build_model(config, rngs=rngs, **kwargs))
+    module = build_model(config, **kwargs)
     if not isinstance(module, nn.Module):
         raise TypeError(
             f"build_model returned {type(module).__name__}; expected a flax.linen.Module, "

@@ -19,10 +19,11 @@ from absl import logging
 from jdp import mesh as mesh_lib
 from jdp import metrics as metrics_lib
 from jdp import modeling, optim
+from jdp import task as task_lib
 from jdp.checkpoint import Checkpointer, load_params
 from jdp.config import BatchPlan
-from jdp.data import datasets, pipeline
-from jdp.experiment import Experiment
+from jdp.data import pipeline
+from jdp.experiment import Experiment, Parts
 from jdp.parallel import Backend, StepOptions, TrainState, compiler_options, make_backend
 from jdp.watchdog import Watchdog
 
@@ -34,7 +35,8 @@ def _should(step: int, every: int, total: int) -> bool:
 
 def evaluate(backend: Backend, state, source, preprocess, *, global_batch_size: int,
              rows: slice, num_threads: int, heartbeat=lambda: None) -> dict[str, float]:
-    """Loss and accuracy over the whole split: every example exactly once."""
+    """The task's loss and every metric over the whole split, each example exactly once
+    (padding masked out): `eval/<name>` = sum(value * weight) / sum(weight)."""
     totals = None
     batches = pipeline.eval_batches(source, preprocess, global_batch_size=global_batch_size,
                                     rows=rows, num_threads=num_threads)
@@ -42,11 +44,10 @@ def evaluate(backend: Backend, state, source, preprocess, *, global_batch_size: 
         heartbeat()
         sums = backend.eval_step(state, backend.put_batch(local_batch))
         totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
-    totals = backend.fetch(totals)
-    count = float(totals["count"])
-    return {"eval/loss": float(totals["loss_sum"]) / count,
-            "eval/accuracy": float(totals["correct"]) / count,
-            "eval/num_examples": count}
+    sums, count = backend.fetch(totals)
+    result = {f"eval/{name}": float(total) / float(weight) if weight else 0.0
+              for name, (total, weight) in sums.items()}
+    return {**result, "eval/num_examples": float(count)}
 
 
 def _log_compiled(compiled) -> None:
@@ -74,40 +75,40 @@ class TrainResult:
     state: TrainState  # the final state, as global arrays whichever backend trained
 
 
-def _initial_state(backend: Backend, checkpointer: Checkpointer, rng, sample_images,
+def _initial_state(backend: Backend, checkpointer: Checkpointer, rng, sample_inputs,
                    init_from: str):
     """The order matters: 1. resume this run's newest complete checkpoint, 2. else
     start fresh, with params from `init_from` when fine-tuning."""
     latest = checkpointer.latest_step()
     if latest is not None:
         logging.info("resuming from %s/%d", checkpointer.directory, latest)
-        return checkpointer.restore(latest, backend.abstract_state(rng, sample_images))
-    state = backend.init_global(rng, sample_images)
+        return checkpointer.restore(latest, backend.abstract_state(rng, sample_inputs))
+    state = backend.init_global(rng, sample_inputs)
     if init_from:
         # A run's workdir stands for its newest checkpoint.
         if os.path.isdir(os.path.join(init_from, CHECKPOINT_DIR)):
             init_from = os.path.join(init_from, CHECKPOINT_DIR)
         logging.info("initialising params from %s", init_from)
         state = state.replace(params=load_params(init_from, backend.abstract_state(
-            rng, sample_images).params))
+            rng, sample_inputs).params))
     return state
 
 
-def build_backend(config, mesh, model: modeling.Model, tx) -> Backend:
-    """The configured parallel backend for `model` and optimizer `tx` over `mesh`."""
-    return make_backend(config.parallel.backend, mesh, model, tx, StepOptions(
+def build_backend(config, mesh, model: modeling.Model, task: task_lib.Task, tx) -> Backend:
+    """The configured parallel backend for `model`, `task` and optimizer `tx` over `mesh`."""
+    return make_backend(config.parallel.backend, mesh, model, task, tx, StepOptions(
         accum_steps=config.grad_accum_steps,
         reduce_dtype=config.parallel.grad_reduce_dtype,
-        label_smoothing=config.label_smoothing,
         shard_optimizer_state=config.parallel.shard_optimizer_state,
         shard_params=config.parallel.shard_params,
         compiler_options=compiler_options(mesh.devices.flat[0].platform, config.remat),
     ))
 
 
-def train_and_evaluate(config, workdir: str, experiment: Experiment, model: modeling.Model,
+def train_and_evaluate(config, workdir: str, experiment: Experiment, parts: Parts,
                        plan: BatchPlan, devices=None) -> TrainResult:
-    """Trains `model` as configured on `devices` (default: all devices of all processes)."""
+    """Trains the experiment's `parts` as configured on `devices` (default: all devices of
+    all processes)."""
     is_writer = jax.process_index() == 0
 
     # -- 1. Mesh and the batch layout ------------------------------------------
@@ -121,26 +122,20 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, model: mode
                  plan.micro_batch_size, plan.grad_accum_steps)
 
     # -- 2. Data: this process's rows of each global batch -----------------------
-    dataset = datasets.spec(config.data.name)
-    data_dir = datasets.resolve_data_dir(config.data.data_dir)
-    train_source = datasets.open_split(dataset.name, data_dir, dataset.train_split)
-    eval_source = datasets.open_split(dataset.name, data_dir, dataset.eval_split)
-    train_preprocess = datasets.make_preprocess(dataset, train=True, augment=config.data.augment)
-    eval_preprocess = datasets.make_preprocess(dataset, train=False, augment=False)
-    stream = pipeline.example_stream(train_source, train_preprocess, config.seed)
-    sample = eval_preprocess(eval_source[0], None)
-    sample_images = np.zeros((1, *sample["image"].shape), np.float32)
+    data = parts.data
+    stream = pipeline.example_stream(data.train, data.preprocess_for(train=True), config.seed)
 
     # -- 3. Model, optimizer, backend and the initial state ----------------------
     learning_rate = optim.learning_rate_fn(config)
-    backend = build_backend(config, mesh, model, experiment.build_optimizer(config, learning_rate))
+    backend = build_backend(config, mesh, parts.model, parts.task,
+                            experiment.build_optimizer(config, learning_rate))
     checkpointer = Checkpointer(
         os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR),
         every_steps=config.checkpoint.every_steps, max_to_keep=config.checkpoint.max_to_keep,
         async_save=config.checkpoint["async"], best_metric=config.checkpoint.keep_best or None,
         best_mode=config.checkpoint.keep_best_mode)
-    state = _initial_state(backend, checkpointer, jax.random.key(config.seed), sample_images,
-                           config.checkpoint.init_from)
+    state = _initial_state(backend, checkpointer, jax.random.key(config.seed),
+                           parts.sample_inputs(), config.checkpoint.init_from)
     start_step = int(jax.device_get(state.step))
     num_params = sum(x.size for x in jax.tree.leaves(state.params))
     logging.info("model has %s parameters; peak learning rate %.3g (lr_scaling=%s)",
@@ -161,7 +156,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, model: mode
     heartbeat = watchdog.heartbeat if watchdog else (lambda step: None)
 
     def run_eval(step, state) -> dict:
-        result = evaluate(backend, state, eval_source, eval_preprocess,
+        result = evaluate(backend, state, data.eval, data.preprocess_for(train=False),
                           global_batch_size=eval_batch_size, rows=eval_rows,
                           num_threads=config.data.num_threads,
                           heartbeat=lambda: heartbeat(step))

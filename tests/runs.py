@@ -36,27 +36,23 @@ def losses(records) -> dict[int, float]:
 
 
 def compiled_step(path: str, *overrides: str, devices=None, global_batch_size=128):
-    """(backend, state, compiled train step) for an experiment, without data or a workdir."""
+    """(backend, state, compiled train step) for an experiment, without a workdir."""
     import jax
     import numpy as np
 
-    from jdp import experiment, modeling, optim
-    from jdp.data import datasets
+    from jdp import experiment, optim
     from jdp.mesh import make_mesh
     from jdp.train import build_backend
 
     config = load_config(path, *overrides)
-    spec = datasets.spec(config.data.name)
     exp = experiment.load(path)
-    model = modeling.build(exp.build_model, config, spec.num_classes)
-    backend = build_backend(config, make_mesh(devices=devices), model,
+    parts = experiment.build(exp, config)
+    backend = build_backend(config, make_mesh(devices=devices), parts.model, parts.task,
                             exp.build_optimizer(config, optim.learning_rate_fn(config)))
-    image_shape = (spec.image_size, spec.image_size, spec.channels)
-    state = backend.init_global(jax.random.key(0), np.zeros((1, *image_shape), np.float32))
-    state = backend.from_global(state)
+    state = backend.from_global(backend.init_global(jax.random.key(0), parts.sample_inputs()))
     rows = global_batch_size // jax.process_count()
-    batch = backend.put_batch({"image": np.zeros((rows, *image_shape), np.float32),
-                               "label": np.zeros((rows,), np.int32)})
+    batch = backend.put_batch({key: np.zeros((rows, *np.shape(value)), np.asarray(value).dtype)
+                               for key, value in parts.sample.items()})
     return backend, state, backend.compiled_train_step(state, batch)
 
 

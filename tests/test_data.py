@@ -4,7 +4,8 @@ evaluation covers every example exactly once."""
 import numpy as np
 import pytest
 
-from jdp.data import datasets, pipeline
+from jdp.data import images, pipeline, tfds_source
+from jdp.errors import ConfigError
 
 NUM_EXAMPLES = 50
 
@@ -85,10 +86,9 @@ def test_evaluation_sees_every_example_exactly_once(process_count):
 
 
 def test_digits_is_a_real_tfds_dataset(tmp_path):
-    data_dir = str(tmp_path)
-    datasets.check_prepared("digits", data_dir)
-    train = datasets.open_split("digits", data_dir, "train")
-    test = datasets.open_split("digits", data_dir, "test")
+    found = tfds_source.builder("digits", str(tmp_path))
+    train = tfds_source.open_split(found, "train", "data.train_split")
+    test = tfds_source.open_split(found, "test", "data.eval_split")
     assert (len(train), len(test)) == (1437, 360)
     example = train[0]
     assert example["image"].shape == (8, 8, 1) and example["image"].dtype == np.uint8
@@ -96,26 +96,26 @@ def test_digits_is_a_real_tfds_dataset(tmp_path):
 
 
 def test_a_missing_tfds_dataset_names_it_and_the_data_dir(tmp_path):
-    with pytest.raises(datasets.ConfigError, match=rf"'cifar10'.*{tmp_path}.*tfds build cifar10"):
-        datasets.check_prepared("cifar10", str(tmp_path))
+    with pytest.raises(ConfigError, match=rf"'cifar10'.*{tmp_path}.*tfds build cifar10"):
+        tfds_source.builder("cifar10", str(tmp_path))
 
 
 def test_preprocessing_normalises_and_augments_within_the_image():
-    spec = datasets.spec("digits")
+    spec = images.PRESETS["digits"].image
     example = {"image": np.full((8, 8, 1), 255, np.uint8), "label": 3}
-    plain = datasets.make_preprocess(spec, train=False, augment=False)(example, None)
+    plain = images.make_preprocess(spec, train=False, augment=False)(example, None)
     assert plain["image"].dtype == np.float32 and plain["image"].shape == (8, 8, 1)
     np.testing.assert_allclose(plain["image"], 1.0)  # (1 - 0.5) / 0.5
-    augmented = datasets.make_preprocess(spec, train=True, augment=True)(
+    augmented = images.make_preprocess(spec, train=True, augment=True)(
         example, np.random.default_rng(0))
     assert augmented["image"].shape == (8, 8, 1)
 
 
 def test_imagenet_preprocessing_resizes_and_crops_any_image_to_the_model_size():
-    spec = datasets.spec("imagenet2012")
+    spec = images.PRESETS["imagenet2012"].image
     image = np.random.default_rng(0).integers(0, 256, (300, 451, 3), dtype=np.uint8)
     for train, augment in [(False, False), (True, True)]:
-        out = datasets.make_preprocess(spec, train=train, augment=augment)(
+        out = images.make_preprocess(spec, train=train, augment=augment)(
             {"image": image, "label": 7}, np.random.default_rng(1))
         assert out["image"].shape == (224, 224, 3) and out["image"].dtype == np.float32
         assert out["label"] == 7
@@ -128,8 +128,8 @@ def test_encoded_images_are_decoded():
 
     buffer = io.BytesIO()
     Image.fromarray(np.full((32, 32, 3), 200, np.uint8)).save(buffer, format="PNG")
-    spec = datasets.spec("cifar10")
-    out = datasets.make_preprocess(spec, train=False, augment=False)(
+    spec = images.PRESETS["cifar10"].image
+    out = images.make_preprocess(spec, train=False, augment=False)(
         {"image": buffer.getvalue(), "label": 1}, None)
     assert out["image"].shape == (32, 32, 3)
     np.testing.assert_allclose(out["image"][0, 0], (200 / 255 - np.array(spec.mean)) /

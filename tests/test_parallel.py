@@ -10,6 +10,7 @@ from jdp import modeling
 from jdp.mesh import make_mesh
 from jdp.models import ViT
 from jdp.parallel import StepOptions, compiler_options, hlo, make_backend
+from jdp.task import classification
 from runs import compiled_step
 
 VIT = "experiments/vit.py"
@@ -55,7 +56,7 @@ def test_bfloat16_gradient_reduction_halves_the_all_reduce_bytes():
         lowered = backend.lowered_train_step(state, backend.put_batch(batch))
         texts[dtype] = lowered.as_text(dialect="hlo")
     f32, bf16 = (_gradient_reduce_bytes(texts[d]) for d in ("float32", "bfloat16"))
-    metrics_bytes = 2 * 4  # loss and accuracy stay float32
+    metrics_bytes = 4 * 4  # (sum, weight) of loss and accuracy stay float32
     assert bf16 - metrics_bytes == (f32 - metrics_bytes) // 2
     assert {"bf16"} <= set().union(*(r.dtypes for r in hlo.all_reduces(texts["bfloat16"])))
 
@@ -86,9 +87,9 @@ def test_remat_lowers_the_compiled_temp_memory():
     for policy in ("none", "full", "dots_saveable"):
         model = modeling.from_linen(ViT(num_classes=10, patch_size=1, hidden_size=64,
                                         num_layers=6, num_heads=4, mlp_dim=128, remat=policy))
-        backend = make_backend("pjit", make_mesh(), model, optax.sgd(0.1),
+        backend = make_backend("pjit", make_mesh(), model, classification(), optax.sgd(0.1),
                                StepOptions(compiler_options=options))
-        state = backend.init_global(jax.random.key(0), np.zeros((1, 8, 8, 1), np.float32))
+        state = backend.init_global(jax.random.key(0), (np.zeros((1, 8, 8, 1), np.float32),))
         batch = backend.put_batch({"image": np.zeros((128, 8, 8, 1), np.float32),
                                    "label": np.zeros((128,), np.int32)})
         temp[policy] = backend.compiled_train_step(state, batch).memory_analysis() \

@@ -25,6 +25,18 @@ def example_stream(source, preprocess: Callable, seed: int) -> grain.MapDataset:
     return grain.MapDataset.source(source).seed(seed).shuffle().repeat().random_map(preprocess)
 
 
+def global_index(step: int, row: int, global_batch_size: int) -> int:
+    """The one formula of the stream: row `row` of global batch `step` is example
+    `step * global_batch_size + row`, on every topology."""
+    return step * global_batch_size + row
+
+
+def _local_position(local_index: int, rows: slice) -> tuple[int, int]:
+    """This process's `local_index`-th example -> (batch, row of the global batch)."""
+    step, row = divmod(local_index, rows.stop - rows.start)
+    return step, rows.start + row
+
+
 def _read_options(num_threads: int) -> grain.ReadOptions:
     return grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=2 * num_threads + 2)
 
@@ -41,13 +53,13 @@ def train_batches(
     """This process's rows of global batches start_step .. start_step+num_steps-1."""
     rows_per_process = rows.stop - rows.start
 
-    def global_index(local_index: int) -> int:
-        step, row = divmod(local_index, rows_per_process)
-        return (start_step + step) * global_batch_size + rows.start + row
+    def example(local_index: int) -> dict:
+        step, row = _local_position(local_index, rows)
+        return stream[global_index(start_step + step, row, global_batch_size)]
 
     local = (grain.MapDataset.range(num_steps * rows_per_process)
-             .map(lambda i: stream[global_index(i)])
-             .batch(rows_per_process))
+             .map(example)
+             .batch(rows_per_process, batch_fn=_stack))
     return iter(local.to_iter_dataset(_read_options(num_threads)))
 
 
@@ -73,16 +85,26 @@ def eval_batches(
     rows_per_process = rows.stop - rows.start
 
     def example(local_index: int) -> dict:
-        step, row = divmod(local_index, rows_per_process)
-        index = step * global_batch_size + rows.start + row
+        index = global_index(*_local_position(local_index, rows), global_batch_size)
         valid = index < num_examples
-        out = preprocess(source[index if valid else 0], None)
+        out = dict(preprocess(source[index if valid else 0], None))
         out["mask"] = np.float32(valid)
         return out
 
     count = num_eval_batches(num_examples, global_batch_size) * rows_per_process
-    local = grain.MapDataset.range(count).map(example).batch(rows_per_process)
+    local = grain.MapDataset.range(count).map(example).batch(rows_per_process, batch_fn=_stack)
     return iter(local.to_iter_dataset(_read_options(num_threads)))
+
+
+def _stack(examples: list[dict]) -> Batch:
+    """Stacks examples into a batch; one clear error when their shapes differ."""
+    try:
+        return {key: np.stack([np.asarray(e[key]) for e in examples]) for key in examples[0]}
+    except (ValueError, KeyError) as e:
+        shapes = sorted({str({k: np.shape(v) for k, v in ex.items()}) for ex in examples})
+        raise ValueError(
+            f"cannot batch examples of different keys or shapes ({'; '.join(shapes)}). Fix: "
+            "make the preprocessing return one shape for every example (pad or crop).") from e
 
 
 class Prefetcher:

@@ -30,13 +30,13 @@ from jdp import DATA_AXIS
 from jdp import mesh as mesh_lib
 from jdp.modeling import Model
 from jdp.parallel import step as step_lib
+from jdp.task import Task
 
 
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
     accum_steps: int = 1
     reduce_dtype: str = "float32"
-    label_smoothing: float = 0.0
     shard_optimizer_state: bool = False  # ZeRO-1
     shard_params: bool = False  # FSDP-style
     compiler_options: dict | None = None  # passed to XLA when compiling the train step
@@ -63,10 +63,11 @@ class Backend:
 
     name: str
 
-    def __init__(self, mesh: Mesh, model: Model, tx: optax.GradientTransformation,
+    def __init__(self, mesh: Mesh, model: Model, task: Task, tx: optax.GradientTransformation,
                  options: StepOptions):
         self.mesh = mesh
         self.model = model
+        self.task = task
         self.tx = tx
         self.options = options
 
@@ -87,19 +88,22 @@ class Backend:
             rng=mesh_lib.replicated(mesh),
         )
 
-    def abstract_state(self, rng: jax.Array, sample_images) -> step_lib.TrainState:
-        """Shapes, dtypes and canonical shardings of the state, without computing it."""
+    def abstract_state(self, rng: jax.Array, sample_inputs: tuple) -> step_lib.TrainState:
+        """Shapes, dtypes and canonical shardings of the state, without computing it.
+
+        `sample_inputs` are the model's inputs for one example (leading dimension 1).
+        """
         init = functools.partial(step_lib.init_state, self.model, self.tx)
-        shapes = jax.eval_shape(init, rng, sample_images)
+        shapes = jax.eval_shape(init, rng, sample_inputs)
         shardings = self.global_shardings(shapes)
         return jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
-    def init_global(self, rng: jax.Array, sample_images) -> step_lib.TrainState:
+    def init_global(self, rng: jax.Array, sample_inputs: tuple) -> step_lib.TrainState:
         """The initial state, created directly with its shardings (nothing on one device first)."""
         init = functools.partial(step_lib.init_state, self.model, self.tx)
-        shardings = self.global_shardings(jax.eval_shape(init, rng, sample_images))
-        return jax.jit(init, out_shardings=shardings)(rng, sample_images)
+        shardings = self.global_shardings(jax.eval_shape(init, rng, sample_inputs))
+        return jax.jit(init, out_shardings=shardings)(rng, sample_inputs)
 
     def from_global(self, state):
         return state
@@ -134,7 +138,7 @@ class PjitBackend(Backend):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._train_step = None
-        self._eval_step = jax.jit(functools.partial(step_lib.eval_sums, self.model))
+        self._eval_step = jax.jit(functools.partial(step_lib.eval_sums, self.model, self.task))
 
     def put_batch(self, local_batch):
         sharding = mesh_lib.batch_sharding(self.mesh)
@@ -147,13 +151,12 @@ class PjitBackend(Backend):
         }
 
     def _step_fn(self):
-        opts, model, mesh = self.options, self.model, self.mesh
+        opts, model, task, mesh = self.options, self.model, self.task, self.mesh
 
         def device_grads(params, model_state, batch, rng, step):
             return step_lib.device_gradients(
-                model, params, model_state, batch, step_lib.step_rng(rng, step),
-                accum_steps=opts.accum_steps, reduce_dtype=jnp.dtype(opts.reduce_dtype),
-                label_smoothing=opts.label_smoothing)
+                model, task, params, model_state, batch, step_lib.step_rng(rng, step),
+                accum_steps=opts.accum_steps, reduce_dtype=jnp.dtype(opts.reduce_dtype))
 
         def train_step(state, batch):
             # check_vma=False gives pmap's semantics: the gradient of a replicated
@@ -198,18 +201,17 @@ class PmapBackend(Backend):
         # pmap's arrays here are global: a leading axis over every device of the
         # mesh, split over `data`; each process holds the rows of its own devices.
         self._stacked = NamedSharding(self.mesh, P(DATA_AXIS))
-        opts, model = self.options, self.model
+        opts, model, task = self.options, self.model, self.task
 
         def train_step(state, batch):
             grads, model_state, metrics = step_lib.device_gradients(
-                model, state.params, state.model_state, batch,
+                model, task, state.params, state.model_state, batch,
                 step_lib.step_rng(state.rng, state.step),
-                accum_steps=opts.accum_steps, reduce_dtype=jnp.dtype(opts.reduce_dtype),
-                label_smoothing=opts.label_smoothing)
+                accum_steps=opts.accum_steps, reduce_dtype=jnp.dtype(opts.reduce_dtype))
             return step_lib.apply_gradients(self.tx, state, grads, model_state), metrics
 
         def eval_step(state, batch):
-            return jax.lax.psum(step_lib.eval_sums(model, state, batch), DATA_AXIS)
+            return jax.lax.psum(step_lib.eval_sums(model, task, state, batch), DATA_AXIS)
 
         # pmap is given every device of the mesh (all processes): its collectives then
         # span the whole job, while each process feeds and holds its local replicas.
@@ -263,6 +265,6 @@ class PmapBackend(Backend):
 BACKENDS = {"pjit": PjitBackend, "pmap": PmapBackend}
 
 
-def make_backend(name: str, mesh: Mesh, model: Model, tx: optax.GradientTransformation,
-                 options: StepOptions) -> Backend:
-    return BACKENDS[name](mesh, model, tx, options)
+def make_backend(name: str, mesh: Mesh, model: Model, task: Task,
+                 tx: optax.GradientTransformation, options: StepOptions) -> Backend:
+    return BACKENDS[name](mesh, model, task, tx, options)

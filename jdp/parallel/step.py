@@ -2,9 +2,10 @@
 
 `device_gradients` is written for one device's rows of the global batch,
 under the named mesh axis `data` (pmap binds it; the pjit backend binds it
-with shard_map). It accumulates micro-batch gradients locally in float32 and
-issues exactly one cross-device reduction per optimizer step, so gradient
-accumulation costs no extra communication.
+with shard_map). It accumulates micro-batch gradients of the task's weighted
+loss sum locally in float32 and issues exactly one cross-device reduction per
+optimizer step, so gradient accumulation costs no extra communication and the
+loss is the weighted mean over the whole global batch.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import jax.numpy as jnp
 import optax
 
 from jdp import DATA_AXIS
+from jdp import task as task_lib
 from jdp.modeling import Model
+from jdp.task import Task
 
 
 @flax.struct.dataclass
@@ -29,8 +32,8 @@ class TrainState:
     rng: jax.Array  # uint32 key data; per-step and per-device keys are folded from it
 
 
-def init_state(model: Model, tx: optax.GradientTransformation, rng: jax.Array, images):
-    params, model_state = model.init(rng, images)
+def init_state(model: Model, tx: optax.GradientTransformation, rng: jax.Array, inputs: tuple):
+    params, model_state = model.init(rng, inputs)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
                       opt_state=tx.init(params), rng=jax.random.key_data(rng))
 
@@ -43,15 +46,9 @@ def step_rng(rng: jax.Array, step: jax.Array, axis_name: str | None = DATA_AXIS)
     return key
 
 
-def _cross_entropy(logits, labels, num_classes: int, label_smoothing: float):
-    targets = jax.nn.one_hot(labels, num_classes)
-    if label_smoothing:
-        targets = optax.smooth_labels(targets, label_smoothing)
-    return optax.softmax_cross_entropy(logits, targets)
-
-
 def device_gradients(
     model: Model,
+    task: Task,
     params,
     model_state,
     batch: dict,
@@ -59,50 +56,53 @@ def device_gradients(
     *,
     accum_steps: int,
     reduce_dtype: jnp.dtype,
-    label_smoothing: float = 0.0,
     axis_name: str = DATA_AXIS,
 ):
-    """Mean gradients over the global batch, and the updated model state and metrics.
+    """Gradients of the global weighted mean loss, the updated model state and the metrics.
 
-    Runs on one device's rows. Micro-batch gradients are summed in float32 on
-    the device; then one `pmean` reduces gradients and metrics together.
+    Runs on one device's rows. Each micro-batch contributes the gradient of its
+    weighted loss *sum*; these and the weighted metric sums accumulate in float32
+    on the device, then one `psum` reduces gradients, sums and weight totals
+    together, and only then is everything divided by the global weight. So the
+    result is `sum(loss * weight) / sum(weight)` over all devices and micro-batches,
+    never a mean of per-device means.
     """
 
     def loss_fn(p, state, micro_batch, key):
-        logits, state = model.apply(p, state, micro_batch["image"], True, key)
-        logits = logits.astype(jnp.float32)
-        num_classes = logits.shape[-1]
-        loss = _cross_entropy(logits, micro_batch["label"], num_classes, label_smoothing).mean()
-        accuracy = jnp.mean(jnp.argmax(logits, -1) == micro_batch["label"])
-        return loss, (state, accuracy)
+        outputs, state = model.apply(p, state, task.model_inputs(micro_batch), True, key)
+        sums = task_lib.weighted_sums(task.objective(outputs, micro_batch))
+        return sums[task_lib.LOSS][0], (state, sums)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if accum_steps == 1:
-        (loss, (model_state, accuracy)), grads = grad_fn(params, model_state, batch, rng)
+        (_, (model_state, sums)), grads = grad_fn(params, model_state, batch, rng)
     else:
         micro_batches = jax.tree.map(
             lambda x: x.reshape(accum_steps, -1, *x.shape[1:]), batch)
 
         def accumulate(carry, inputs):
-            grads_sum, state, loss_sum, accuracy_sum = carry
+            grads_sum, state, sums_total = carry
             micro_batch, index = inputs
-            (loss, (state, accuracy)), grads = grad_fn(
+            (_, (state, sums)), grads = grad_fn(
                 params, state, micro_batch, jax.random.fold_in(rng, index))
             grads_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grads_sum, grads)
-            return (grads_sum, state, loss_sum + loss, accuracy_sum + accuracy), None
+            return (grads_sum, state, jax.tree.map(jnp.add, sums_total, sums)), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        carry = (zeros, model_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-        (grads, model_state, loss, accuracy), _ = jax.lax.scan(
-            accumulate, carry, (micro_batches, jnp.arange(accum_steps)))
-        grads = jax.tree.map(lambda g: g / accum_steps, grads)
-        loss, accuracy = loss / accum_steps, accuracy / accum_steps
+        zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
+            lambda: grad_fn(params, model_state, jax.tree.map(lambda x: x[0], micro_batches),
+                            rng)[0][1][1]))
+        (grads, model_state, sums), _ = jax.lax.scan(
+            accumulate, (zeros, model_state, zero_sums), (micro_batches, jnp.arange(accum_steps)))
 
     grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
-    metrics = {"loss": loss, "accuracy": accuracy}  # float32 whatever the gradients travel in
-    # The one collective of the step: gradients and metrics in one all-reduce.
-    grads, metrics = jax.lax.pmean((grads, metrics), axis_name)
-    return jax.tree.map(lambda g: g.astype(jnp.float32), grads), model_state, metrics
+    # The one collective of the step: gradient sums, metric sums and weight totals
+    # in one all-reduce (the sums stay float32 whatever the gradients travel in).
+    grads, sums = jax.lax.psum((grads, sums), axis_name)
+    loss_weight = sums[task_lib.LOSS][1]
+    grads = jax.tree.map(lambda g: task_lib.safe_divide(g.astype(jnp.float32), loss_weight),
+                         grads)
+    return grads, model_state, task_lib.means(sums)
 
 
 def apply_gradients(tx: optax.GradientTransformation, state: TrainState, grads, model_state):
@@ -111,13 +111,12 @@ def apply_gradients(tx: optax.GradientTransformation, state: TrainState, grads, 
                          opt_state=opt_state, model_state=model_state)
 
 
-def eval_sums(model: Model, state: TrainState, batch: dict) -> dict:
-    """Masked sums over the rows given: padding rows (mask 0) count for nothing."""
-    logits, _ = model.apply(state.params, state.model_state, batch["image"], False,
-                            jax.random.wrap_key_data(state.rng))
-    logits = logits.astype(jnp.float32)
+def eval_sums(model: Model, task: Task, state: TrainState, batch: dict):
+    """(weighted sums of the eval objective, number of real examples) over the rows
+    given; each row's weights are multiplied by its `mask`, so padding rows count
+    for nothing."""
+    outputs, _ = model.apply(state.params, state.model_state, task.model_inputs(batch), False,
+                             jax.random.wrap_key_data(state.rng))
     mask = batch["mask"]
-    loss = _cross_entropy(logits, batch["label"], logits.shape[-1], 0.0)
-    correct = (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32)
-    return {"loss_sum": jnp.sum(loss * mask), "correct": jnp.sum(correct * mask),
-            "count": jnp.sum(mask)}
+    return task_lib.weighted_sums(task.objective_for(train=False)(outputs, batch), mask), \
+        jnp.sum(mask)

@@ -1,0 +1,94 @@
+"""What jdp needs from an experiment's data, and the checks run on it at start.
+
+An experiment file may define `build_data(config) -> jdp.data.Data`: train and
+eval *sources* (anything with `__len__` and `__getitem__(index) -> dict`: a
+TFDS data source, a grain source, `jdp.data.files` sources, numpy arrays
+wrapped in a class) and the per-example preprocessing. jdp keeps the rest:
+the global-index sampler, each process reading only its rows, padding and a
+mask for evaluation, prefetching and resuming at a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from jdp.errors import ConfigError
+
+# (example, rng) -> dict of numpy arrays. rng is a numpy Generator seeded by
+# (seed, global example index) for training and None for evaluation.
+Preprocess = Callable[[dict, "np.random.Generator | None"], dict]
+
+# How many examples of each split are preprocessed at start to check shapes.
+_CHECKED_EXAMPLES = 4
+
+
+def _identity(example: dict, rng) -> dict:
+    del rng
+    return {key: np.asarray(value) for key, value in example.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    """The train and eval sources and how one example becomes model inputs.
+
+    `eval_preprocess` defaults to `preprocess` (called with rng=None).
+    `num_classes` is passed to `build_model(config, *, num_classes)` when it asks.
+    """
+
+    train: Any
+    eval: Any
+    preprocess: Preprocess = _identity
+    eval_preprocess: Preprocess | None = None
+    num_classes: int | None = None
+
+    def preprocess_for(self, train: bool) -> Preprocess:
+        if train or self.eval_preprocess is None:
+            return self.preprocess
+        return self.eval_preprocess
+
+
+def _describe(example: dict) -> dict[str, tuple]:
+    return {key: (np.shape(value), np.asarray(value).dtype.name) for key, value in example.items()}
+
+
+def check(data: Data, where: str) -> dict[str, np.ndarray]:
+    """Checks `data` and returns one preprocessed eval example (the model's sample input).
+
+    Both sources must have a length and examples; a few examples of each split
+    are preprocessed, and every one must give a dict of arrays with the same
+    keys, shapes and dtypes, so that batches can be stacked.
+    """
+    if not isinstance(data, Data):
+        raise ConfigError(f"{where} returned {type(data).__name__}. Fix: return "
+                          "jdp.data.Data(train=..., eval=..., preprocess=...).")
+    examples = []
+    for split, source in (("train", data.train), ("eval", data.eval)):
+        if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
+            raise ConfigError(
+                f"{where}: the {split} source ({type(source).__name__}) has no "
+                f"{'__len__' if not hasattr(source, '__len__') else '__getitem__'}. Fix: return "
+                "a random-access source (a TFDS data source, a grain source, "
+                "jdp.data.files.open_files(...), or a class with __len__ and __getitem__).")
+        if len(source) == 0:
+            raise ConfigError(f"{where}: the {split} source is empty. Fix: point it at data.")
+        preprocess = data.preprocess_for(train=split == "train")
+        for index in range(min(_CHECKED_EXAMPLES, len(source))):
+            rng = np.random.default_rng(0) if split == "train" else None
+            example = preprocess(source[index], rng)
+            if not isinstance(example, dict):
+                raise ConfigError(f"{where}: preprocessing {split} example {index} returned "
+                                  f"{type(example).__name__}. Fix: return a dict of numpy arrays.")
+            examples.append((split, index, example))
+    first_split, first_index, first = examples[0]
+    for split, index, example in examples[1:]:
+        if _describe(example) != _describe(first):
+            raise ConfigError(
+                f"{where}: {split} example {index} preprocesses to {_describe(example)} but "
+                f"{first_split} example {first_index} to {_describe(first)}; every example "
+                "must give the same keys, shapes and dtypes to be batched. Fix: pad, crop or "
+                "resize to one shape in the preprocessing.")
+    return next(example for split, _, example in examples if split == "eval")
