@@ -13,33 +13,12 @@ rate in arbitrary directions. It can only be bounded, not matched.
 """
 
 import jax
-import numpy as np
 import pytest
 
-from runs import losses, train
+from runs import assert_same_trajectory, losses, train
 
 STEPS = ("--config.total_steps=12", "--config.warmup_steps=2", "--config.log_every_steps=3",
          "--config.eval_every_steps=0", "--config.batch_size=64")
-RTOL = 1e-5
-PEAK_LR = 3e-3  # experiments/vit.py's learning rate: bounds 12 Adam steps of a zero-gradient param
-
-
-def assert_same_trajectory(run, reference):
-    (result, records), (ref_result, ref_records) = run, reference
-    loss, ref_loss = losses(records), losses(ref_records)
-    assert sorted(loss) == sorted(ref_loss) == [3, 6, 9, 12]
-    np.testing.assert_allclose([loss[s] for s in sorted(loss)],
-                               [ref_loss[s] for s in sorted(ref_loss)], rtol=RTOL)
-    params = jax.tree_util.tree_flatten_with_path(jax.device_get(result.state.params))[0]
-    ref_params = jax.tree.leaves(jax.device_get(ref_result.state.params))
-    for (path, leaf), ref_leaf in zip(params, ref_params, strict=True):
-        name = jax.tree_util.keystr(path)
-        if "['key']['bias']" in name:
-            assert np.abs(leaf).max() < 12 * PEAK_LR and np.abs(ref_leaf).max() < 12 * PEAK_LR
-        else:
-            np.testing.assert_allclose(leaf, ref_leaf, rtol=RTOL, atol=1e-6, err_msg=name)
-
-
 @pytest.fixture(scope="module", params=["experiments/vit.py", "experiments/resnet.py"],
                 ids=["vit", "resnet"])
 def runs(request, tmp_path_factory):

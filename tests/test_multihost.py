@@ -30,11 +30,11 @@ def one_process(tmp_path_factory):
     return (*train(VIT, workdir, *TRAIN, "--config.checkpoint.every_steps=4"), workdir)
 
 
-def launch_local(workdir, devices_per_process, *overrides):
+def launch_local(workdir, devices_per_process, *overrides, experiment=VIT, settings=TRAIN):
     return subprocess.run(
         [sys.executable, "launch/local.py", "--num_processes=2",
          f"--devices_per_process={devices_per_process}", "--", sys.executable, "-m",
-         "jdp.main", f"--config={VIT}", f"--workdir={workdir}", *TRAIN, *overrides],
+         "jdp.main", f"--config={experiment}", f"--workdir={workdir}", *settings, *overrides],
         cwd=REPO, env=main_env(), capture_output=True, text=True, timeout=300)
 
 
@@ -59,6 +59,22 @@ def test_two_processes_of_four_devices_follow_one_process_of_eight(one_process, 
     np.testing.assert_allclose([got[s] for s in sorted(got)],
                                [expected[s] for s in sorted(expected)], rtol=1e-5)
     assert_params_match(checkpoint_arrays(workdir, 8)["params"], reference_result.state.params)
+
+
+def test_weighted_lm_loss_on_two_processes_follows_one_process(tmp_path):
+    """Answer tokens weigh 1, the rest 0: each host holds a different token count."""
+    lm = "experiments/lm.py"
+    settings = ("--config.model.size=nano", "--config.data.num_eval=64",
+                "--config.eval_batch_size=64", *TRAIN)
+    reference_result, reference = train(lm, tmp_path / "one", *settings)
+    proc = launch_local(tmp_path / "two", 4, experiment=lm, settings=settings)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, expected = losses(read_metrics(tmp_path / "two")), losses(reference)
+    assert sorted(got) == sorted(expected) == [2, 4, 6, 8]
+    np.testing.assert_allclose([got[s] for s in sorted(got)],
+                               [expected[s] for s in sorted(expected)], rtol=1e-5)
+    assert_params_match(checkpoint_arrays(tmp_path / "two", 8)["params"],
+                        reference_result.state.params)
 
 
 def test_a_one_process_checkpoint_resumes_on_two_processes_with_a_hybrid_mesh(one_process,
