@@ -119,7 +119,8 @@ def main(argv) -> None:
         _fail(str(e))
     if jax.process_count() > 1:
         console.prefix = f"[p{jax.process_index()}] "
-    config_path = config_flags.get_config_filename(flags.FLAGS["config"])
+    # The flag keeps `path.py:ARG` whole; the experiment file is the part before ':'.
+    config_path = config_flags.get_config_filename(flags.FLAGS["config"]).partition(":")[0]
     try:
         result = run(_CONFIG.value, config_path, _WORKDIR.value)
     except (ConfigError, UsageError, CheckpointError, distributed.MismatchError) as e:

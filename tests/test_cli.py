@@ -16,6 +16,8 @@ BAD_INPUTS = {
     "unprepared_dataset": (["--config.data.name=mnist2"],
                            ["config.data.name='mnist2'", "not prepared", "tfds build mnist2"]),
     "unknown_flag": (["--dry_runn"], ["unknown flag --dry_runn", "--workdir", "--config.KEY"]),
+    "absent_feature_key": (["--config.data.image_key=img"],
+                           ["config.data.image_key='img'", "no such feature", "'image'"]),
     "unknown_model_size": (["--config.model.size=huge"], ["model.size='huge'", "nano"]),
     "unknown_backend": (["--config.parallel.backend=horovod"],
                         ["config.parallel.backend='horovod'", "'pmap'"]),
@@ -51,3 +53,13 @@ def test_unwritable_workdir_fails_cleanly(tmp_path):
     assert proc.returncode == 2
     assert f"--workdir='{blocker}/run'" in proc.stderr and "not a writable directory" in proc.stderr
     assert blocker.read_text() == ""
+
+
+def test_the_argument_after_the_colon_selects_the_variant(tmp_path):
+    workdir = tmp_path / "run"
+    proc = run_main("--config=experiments/vit.py:cifar10", f"--workdir={workdir}",
+                    f"--config.data.data_dir={tmp_path}/tfds")
+    assert proc.returncode == 2
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert "config.data.name='cifar10'" in last_line and "tfds build cifar10" in last_line
+    assert not workdir.exists()

@@ -23,7 +23,7 @@ import numpy as np
 from array_record.python import array_record_data_source, array_record_module
 from flax import serialization
 
-from jdp.config import ConfigError
+from jdp.errors import ConfigError
 
 Example = dict[str, np.ndarray]
 
