@@ -14,9 +14,16 @@ Every output line is prefixed with the process index (`[p0] `; stderr stays on
 stderr). SIGINT/SIGTERM are forwarded to all processes once; a second one
 kills them. When a process fails the others are terminated, then killed
 after --grace_s. The exit status is the first failing process's exit code
-(128 + N for death by signal N), or 0 when all succeed.
+(128 + N for death by signal N) in the last run, or 0 when all succeed.
 
-Standard library only, so it runs before anything is installed.
+`--max_restarts=N` (like torchrun's): after a failure, a preemption (76) or a
+lost peer (75), all processes are started again with the same command, so the
+run resumes from its newest checkpoint, up to N times; each start gets a fresh
+free port unless --port fixes one. The statuses in jdp.exit_codes.PERMANENT
+(bad config, non-finite loss) would only repeat and end the launcher at once,
+as does a signal to the launcher itself.
+
+Standard library and jdp.exit_codes (which imports nothing), so it starts fast.
 """
 
 from __future__ import annotations
@@ -33,8 +40,18 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import BinaryIO
 
+from jdp import exit_codes
+
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 POLL_INTERVAL_S = 0.05
+# How the launcher names an exit status in its messages.
+STATUS_MEANINGS = {
+    exit_codes.FAILED: "failed",
+    exit_codes.BAD_CONFIG: "bad config",
+    exit_codes.NONFINITE: "non-finite loss",
+    exit_codes.PEER_LOST: "peer lost",
+    exit_codes.PREEMPTED: "preempted",
+}
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -59,6 +76,12 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         default=10.0,
         help="seconds between terminating and killing the others after a failure",
     )
+    parser.add_argument(
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="times to start all processes again after a failure that may not repeat",
+    )
     argv = list(argv)
     if "--" not in argv:
         parser.error("missing '-- command ...' after the options")
@@ -70,6 +93,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name} must be at least 1, got {value}")
+    if args.max_restarts < 0:
+        parser.error(f"--max_restarts must be at least 0, got {args.max_restarts}")
     return args, command
 
 
@@ -229,8 +254,39 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def run(command: Sequence[str], envs: Sequence[Mapping[str, str]], grace_s: float) -> int:
-    """Runs the processes to completion; returns the launcher's exit status."""
+def status_meaning(status: int) -> str:
+    """What a process's exit status says, in a few words: "preempted", "killed by SIGKILL"."""
+    if status in STATUS_MEANINGS:
+        return STATUS_MEANINGS[status]
+    if status > 128:
+        try:
+            return f"killed by {signal.Signals(status - 128).name}"
+        except ValueError:
+            pass
+    return "failed"
+
+
+def wait_for_first_failure(group: ProcessGroup) -> tuple[int, int] | None:
+    """Waits until a process fails or all have exited; (index, status) of the failure."""
+    while group.running():
+        failure = group.first_failure()
+        if failure is not None:
+            return failure
+        time.sleep(POLL_INTERVAL_S)
+    return group.first_failure()  # all exited between two polls
+
+
+def run(
+    command: Sequence[str],
+    start_envs: Callable[[], Sequence[Mapping[str, str]]],
+    grace_s: float,
+    max_restarts: int = 0,
+) -> int:
+    """Runs the processes to completion, restarting them up to max_restarts times.
+
+    `start_envs` gives the processes' environments for each start (a fresh
+    port each time). Returns the launcher's exit status.
+    """
     signals_received: list[int] = []
     group: ProcessGroup | None = None
 
@@ -242,28 +298,37 @@ def run(command: Sequence[str], envs: Sequence[Mapping[str, str]], grace_s: floa
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        group = ProcessGroup(command, envs)
-        if signals_received:  # arrived while the processes were being started
-            group.signal_all(signals_received[0])
-        # The first failure seen wins over the statuses of the processes it stops.
-        failure: tuple[int, int] | None = None
-        while group.running():
-            failure = group.first_failure()
-            if failure is not None:
-                if not signals_received:
-                    print(
-                        f"launch/local.py: process {failure[0]} exited with status "
-                        f"{failure[1]}; stopping the others",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                group.stop(grace_s)
-                break
-            time.sleep(POLL_INTERVAL_S)
-        group.drain_output()
-        if failure is None:  # all exited between two polls
-            failure = group.first_failure()
-        return 0 if failure is None else failure[1]
+        restarts = 0
+        while True:
+            group = ProcessGroup(command, start_envs())
+            if signals_received:  # arrived while the processes were being started
+                group.signal_all(signals_received[0])
+            # The first failure seen wins over the statuses of the processes it stops.
+            failure = wait_for_first_failure(group)
+            if failure is None:
+                group.drain_output()
+                return 0
+            index, status = failure
+            # A signalled launcher is being stopped itself: its children's statuses
+            # (76 after saving) are for whoever stops it, not a reason to restart.
+            restart = (
+                not signals_received
+                and status not in exit_codes.PERMANENT
+                and restarts < max_restarts
+            )
+            if not signals_received:
+                print(
+                    f"launch/local.py: process {index} exited with status {status} "
+                    f"({status_meaning(status)}); "
+                    + _next_step(status, restart, restarts, max_restarts),
+                    file=sys.stderr,
+                    flush=True,
+                )
+            group.stop(grace_s)
+            group.drain_output()
+            if not restart or signals_received:  # signals_received: also during the stop
+                return status
+            restarts += 1
     finally:
         if group is not None and group.running():  # e.g. an exception above
             group.signal_all(signal.SIGKILL)
@@ -271,12 +336,24 @@ def run(command: Sequence[str], envs: Sequence[Mapping[str, str]], grace_s: floa
             signal.signal(signum, handler)
 
 
+def _next_step(status: int, restart: bool, restarts: int, max_restarts: int) -> str:
+    """The end of the launcher's line about a failure: what it does next."""
+    if restart:
+        return f"restart {restarts + 1} of {max_restarts}"
+    if max_restarts == 0:
+        return "stopping the others"
+    if status in exit_codes.PERMANENT:
+        return "stopping the others; not restarting, since it would fail the same way again"
+    return f"stopping the others; no restarts left ({max_restarts} used)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, command = parse_args(sys.argv[1:] if argv is None else argv)
-    port = args.port or free_port()
-    coordinator_address = f"127.0.0.1:{port}"
-    try:
-        envs = [
+
+    def start_envs() -> list[dict[str, str]]:
+        # A fresh port per start: the previous coordinator's may still be held.
+        coordinator_address = f"127.0.0.1:{args.port or free_port()}"
+        return [
             process_env(
                 os.environ,
                 process_id,
@@ -287,11 +364,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             for process_id in range(args.num_processes)
         ]
+
+    try:
+        start_envs()  # reports an impossible GPU split before anything starts
     except ValueError as error:
         print(f"launch/local.py: {error}", file=sys.stderr)
-        return 2
+        return exit_codes.BAD_CONFIG
     try:
-        return run(command, envs, args.grace_s)
+        return run(command, start_envs, args.grace_s, args.max_restarts)
     except OSError as error:  # the command could not be started
         print(f"launch/local.py: cannot run {command[0]!r}: {error}", file=sys.stderr)
         return 127

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
+from jdp import exit_codes
+
 MANIFEST = Path(__file__).resolve().parents[1] / "launch" / "k8s" / "jdp.yaml"
 # Where Kubernetes publishes an Indexed Job pod's index (annotation, label since 1.28, env var).
 COMPLETION_INDEX_FIELDS = {
@@ -99,7 +101,52 @@ def test_pods_live_under_the_service_subdomain(job, service):
     assert job["spec"]["template"]["spec"]["subdomain"] == service["metadata"]["name"]
 
 
-def test_a_failed_pod_fails_the_whole_job(job):
-    # A lone restarted pod could never rejoin the others' collectives.
-    assert job["spec"]["backoffLimit"] == 0
+def _exit_code_actions(job: dict[str, Any], container_name: str) -> dict[int, str]:
+    """Each exit code named by a podFailurePolicy rule, mapped to the first rule's action.
+
+    Kubernetes applies the first rule that matches; rules naming another
+    container never match jdp's exit.
+    """
+    actions: dict[int, str] = {}
+    for rule in job["spec"]["podFailurePolicy"]["rules"]:
+        on_exit_codes = rule.get("onExitCodes")
+        if on_exit_codes is None:
+            continue
+        assert on_exit_codes["operator"] == "In"
+        if on_exit_codes.get("containerName", container_name) != container_name:
+            continue
+        for code in on_exit_codes["values"]:
+            actions.setdefault(code, rule["action"])
+    return actions
+
+
+def test_failures_that_would_repeat_fail_the_whole_job(job, container):
+    actions = _exit_code_actions(job, container["name"])
+    for status in (exit_codes.FAILED, *exit_codes.PERMANENT):
+        assert actions.get(status) == "FailJob", (status, actions)
+
+
+def test_a_lost_peer_or_preemption_recreates_the_pod_without_counting(job, container):
+    actions = _exit_code_actions(job, container["name"])
+    for status in exit_codes.RESTARTABLE:
+        assert actions.get(status) == "Ignore", (status, actions)
+
+
+def test_rules_name_the_jdp_container(job, container):
+    for rule in job["spec"]["podFailurePolicy"]["rules"]:
+        if "onExitCodes" in rule:
+            assert rule["onExitCodes"]["containerName"] == container["name"]
+
+
+def test_a_disrupted_pod_is_recreated_without_counting_whatever_its_exit_code(job):
+    # Eviction, preemption or a drain comes first: it is the cause, the exit code follows.
+    (first_rule, *_) = job["spec"]["podFailurePolicy"]["rules"]
+    assert first_rule["action"] == "Ignore"
+    assert first_rule["onPodConditions"] == [{"type": "DisruptionTarget"}]
+
+
+def test_other_pod_failures_are_retried(job):
+    # A crash or an OOM kill of one pod: recreate it; the others rejoin through exit 75.
+    assert job["spec"]["backoffLimit"] > 0
+    # podFailurePolicy works only with it.
     assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from jdp import exit_codes
+
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO / "launch" / "local.py"
 SUM_JOB = REPO / "tests" / "distributed_sum_job.py"
@@ -160,6 +162,165 @@ def test_each_process_gets_its_own_id_and_the_shared_coordinator(launch):
 
     assert launcher.returncode == 0, stderr
     assert sorted(stdout.splitlines()) == [f"[p{i}] {i} 3 127.0.0.1:12345" for i in range(3)]
+
+
+def _restarting_job(tmp_path: Path, first_run_status: int) -> str:
+    """Process 1 exits `first_run_status` on its first run, process 0 waits to be stopped.
+
+    Every start appends "process_id coordinator_address" to tmp_path/starts;
+    on a later run both processes exit 0.
+    """
+    return textwrap.dedent(f"""
+        import os, sys, time
+        starts, index = os.path.join({str(tmp_path)!r}, "starts"), os.environ["JDP_PROCESS_ID"]
+
+        def started(process_id):
+            if not os.path.exists(starts):
+                return False
+            return any(line.split()[0] == process_id for line in open(starts))
+
+        first_run = not started(index)
+        with open(starts, "a") as f:
+            print(index, os.environ["JDP_COORDINATOR_ADDRESS"], file=f)
+        if not first_run:
+            sys.exit(0)
+        if index == "1":
+            while not started("0"):  # so that process 0's first start is on record
+                time.sleep(0.01)
+            sys.exit({first_run_status})
+        time.sleep(600)
+    """)
+
+
+def _starts(tmp_path: Path) -> list[tuple[str, str]]:
+    """(process id, coordinator address) of every start, in order."""
+    lines = (tmp_path / "starts").read_text().splitlines()
+    return [tuple(line.split()) for line in lines]
+
+
+def _restart_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("launch/local.py:")]
+
+
+@pytest.mark.parametrize("status", sorted(exit_codes.RESTARTABLE))
+def test_a_lost_peer_or_preemption_restarts_every_process_and_the_rerun_finishes(
+    launch, tmp_path, status
+):
+    launcher = launch(
+        "--num_processes=2", "--max_restarts=2", script=_restarting_job(tmp_path, status)
+    )
+    _, stderr = launcher.communicate(timeout=STOP_TIMEOUT_S)
+
+    assert launcher.returncode == 0, stderr
+    assert sorted(process for process, _ in _starts(tmp_path)) == ["0", "0", "1", "1"]
+    meaning = "peer lost" if status == exit_codes.PEER_LOST else "preempted"
+    assert _restart_lines(stderr) == [
+        f"launch/local.py: process 1 exited with status {status} ({meaning}); restart 1 of 2"
+    ]
+
+
+def test_each_restart_gets_a_fresh_coordinator_port(launch, tmp_path):
+    launcher = launch(
+        "--num_processes=2", "--max_restarts=1", script=_restarting_job(tmp_path, 75)
+    )
+    _, stderr = launcher.communicate(timeout=STOP_TIMEOUT_S)
+
+    assert launcher.returncode == 0, stderr
+    starts = _starts(tmp_path)
+    first_run, second_run = {a for _, a in starts[:2]}, {a for _, a in starts[2:]}
+    # Shared by the processes of one run, different between runs.
+    assert len(first_run) == len(second_run) == 1
+    assert first_run != second_run
+
+
+def test_a_fixed_port_is_kept_across_restarts(launch, tmp_path):
+    launcher = launch(
+        "--num_processes=2",
+        "--max_restarts=1",
+        "--port=12346",
+        script=_restarting_job(tmp_path, 75),
+    )
+    _, stderr = launcher.communicate(timeout=STOP_TIMEOUT_S)
+
+    assert launcher.returncode == 0, stderr
+    assert {address for _, address in _starts(tmp_path)} == {"127.0.0.1:12346"}
+
+
+def _counting_job(tmp_path: Path, status_or_signal: str) -> str:
+    """One line in tmp_path/runs per start, then `sys.exit(...)` or `os.kill(...)`."""
+    return textwrap.dedent(f"""
+        import os, signal, sys
+        print("run", file=open(os.path.join({str(tmp_path)!r}, "runs"), "a"))
+        {status_or_signal}
+    """)
+
+
+def _runs(tmp_path: Path) -> int:
+    return len((tmp_path / "runs").read_text().splitlines())
+
+
+def test_a_job_that_keeps_failing_ends_with_its_status_after_max_restarts(launch, tmp_path):
+    launcher = launch(
+        "--num_processes=1", "--max_restarts=2", script=_counting_job(tmp_path, "sys.exit(1)")
+    )
+    _, stderr = launcher.communicate(timeout=STOP_TIMEOUT_S)
+
+    assert launcher.returncode == exit_codes.FAILED, stderr
+    assert _runs(tmp_path) == 3
+    assert _restart_lines(stderr) == [
+        "launch/local.py: process 0 exited with status 1 (failed); restart 1 of 2",
+        "launch/local.py: process 0 exited with status 1 (failed); restart 2 of 2",
+        "launch/local.py: process 0 exited with status 1 (failed); "
+        "stopping the others; no restarts left (2 used)",
+    ]
+
+
+def test_a_process_killed_by_a_signal_is_restarted(launch, tmp_path):
+    script = _counting_job(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)")
+    launcher = launch("--num_processes=1", "--max_restarts=1", script=script)
+    _, stderr = launcher.communicate(timeout=STOP_TIMEOUT_S)
+
+    assert launcher.returncode == 128 + signal.SIGKILL, stderr
+    assert _runs(tmp_path) == 2
+    assert "(killed by SIGKILL); restart 1 of 1" in stderr
+
+
+@pytest.mark.parametrize("status", sorted(exit_codes.PERMANENT))
+def test_a_permanent_failure_is_not_restarted(launch, tmp_path, status):
+    script = _counting_job(tmp_path, f"sys.exit({status})")
+    launcher = launch("--num_processes=1", "--max_restarts=2", script=script)
+    _, stderr = launcher.communicate(timeout=STOP_TIMEOUT_S)
+
+    assert launcher.returncode == status, stderr
+    assert _runs(tmp_path) == 1
+    assert "not restarting" in stderr and "restart 1" not in stderr
+
+
+def test_a_signal_to_the_launcher_is_not_answered_by_a_restart(launch, tmp_path):
+    # The processes exit 76 (preempted) on SIGTERM, as jdp does after saving: the
+    # launcher is being stopped itself and must pass 76 on, not start them again.
+    script = textwrap.dedent(f"""
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(76))
+        open(os.path.join({str(tmp_path)!r}, "ready" + os.environ["JDP_PROCESS_ID"]), "w")
+        time.sleep(600)
+    """)
+    launcher = launch("--num_processes=2", "--max_restarts=2", script=script)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not all((tmp_path / f"ready{i}").exists() for i in (0, 1)):
+        assert time.monotonic() < deadline and launcher.poll() is None, "processes never started"
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    _, stderr = launcher.communicate(timeout=STOP_TIMEOUT_S)
+
+    assert launcher.returncode == exit_codes.PREEMPTED, stderr
+    assert "restart" not in stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ready0", "ready1"]
+
+
+def test_max_restarts_must_not_be_negative():
+    with pytest.raises(SystemExit):
+        _load_launcher().parse_args(["--num_processes=1", "--max_restarts=-1", "--", "true"])
 
 
 def test_device_count_flag_is_appended_or_replaced():

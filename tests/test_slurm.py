@@ -15,14 +15,17 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 
+from jdp import exit_codes
 from runs import losses, read_metrics, train
 
 pytestmark = pytest.mark.slow
@@ -163,11 +166,14 @@ def _srun(argv: list[str], job_name: str, env: dict[str, str]) -> subprocess.Com
             _cancel(f"--name={job_name}")
 
 
-def _sbatch(argv: list[str], env: dict[str, str]) -> tuple[str, int]:
-    """Submits a batch job and waits for it; returns its final state and exit code.
+class JobEnd(NamedTuple):
+    state: str
+    exit_code: int
+    restarts: int  # times the job was requeued
 
-    Polls `scontrol` itself: `sbatch --wait` polls only every 10 s.
-    """
+
+def _submit(argv: list[str], env: dict[str, str]) -> str:
+    """Submits a batch job; returns its id."""
     submitted = subprocess.run(
         ["sbatch", "--parsable", *argv],
         env=env,
@@ -179,21 +185,45 @@ def _sbatch(argv: list[str], env: dict[str, str]) -> tuple[str, int]:
     if "Requested node configuration is not available" in submitted.stderr:
         _unavailable(f"this SLURM cluster cannot give the job GPUs: {submitted.stderr.strip()}")
     assert submitted.returncode == 0, f"sbatch failed: {submitted.stderr}"
-    job_id = submitted.stdout.strip().split(";")[0]
+    return submitted.stdout.strip().split(";")[0]
+
+
+def _show_job(job_id: str) -> dict[str, str]:
+    shown = subprocess.run(
+        ["scontrol", "show", "job", "--oneliner", job_id],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    return dict(re.findall(r"\b(\w+)=(\S*)", shown))
+
+
+def _wait_for_end(job_id: str) -> JobEnd:
+    """Waits for a batch job to end, requeues included; returns how it ended.
+
+    Polls `scontrol` itself: `sbatch --wait` polls only every 10 s. A requeued
+    job may start only two minutes after its requeue; its start is moved to now.
+    """
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while time.monotonic() < deadline:
-        shown = subprocess.run(
-            ["scontrol", "show", "job", "--oneliner", job_id],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout
-        state = re.search(r"\bJobState=(\S+)", shown)
-        if state and state[1] in FINAL_JOB_STATES:
-            return state[1], int(re.search(r"\bExitCode=(\d+):", shown)[1])
+        job = _show_job(job_id)
+        if job.get("JobState") in FINAL_JOB_STATES:
+            exit_code = int(job["ExitCode"].split(":")[0])
+            return JobEnd(job["JobState"], exit_code, int(job["Restarts"]))
+        if job.get("JobState") == "PENDING" and job.get("Reason") == "BeginTime":
+            subprocess.run(
+                ["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+                capture_output=True,
+                timeout=30,
+            )
         time.sleep(0.2)
     _cancel(job_id)
     pytest.fail(f"batch job {job_id} did not finish in {JOB_TIMEOUT_S}s")
+
+
+def _sbatch(argv: list[str], env: dict[str, str]) -> JobEnd:
+    """Submits a batch job and waits for it to end."""
+    return _wait_for_end(_submit(argv, env))
 
 
 def _output_by_task(labelled_output: str) -> dict[int, list[str]]:
@@ -255,10 +285,10 @@ def _run_sbatch_script(tmp_path: Path, layout: list[str]) -> dict[int, list[str]
         str(tmp_path / "workdir"),
         "--config.total_steps=3",
     ]
-    state, exit_code = _sbatch(sbatch, dict(_job_env(), JDP_PYTHON=str(recorder)))
+    end = _sbatch(sbatch, dict(_job_env(), JDP_PYTHON=str(recorder)))
     output_by_task = {int(f.name): f.read_text().splitlines() for f in tasks_dir.iterdir()}
     job_output = output.read_text() if output.exists() else ""
-    assert (state, exit_code) == ("COMPLETED", 0), f"{job_output[-3000:]}\n{output_by_task}"
+    assert end == ("COMPLETED", 0, 0), f"{job_output[-3000:]}\n{output_by_task}"
     return output_by_task
 
 
@@ -294,3 +324,151 @@ def test_sbatch_script_one_task_per_node(slurm_cluster, tmp_path):
         f"process_index=0 process_count=1 local_devices={devices} "
         f"global_devices={devices} sum={devices * (devices + 1) // 2}"
     ) in output[0]
+
+
+# Stand-ins for `python -m jdp.main` in the requeue tests: each run of each
+# task first appends "task restart_count" to DIR/runs, then does one of these.
+EXIT_ON_FIRST_RUN = """
+    marker = DIR / f"stopped.{task}"
+    if not marker.exists():
+        marker.touch()
+        sys.exit(STATUS)
+"""
+EXIT_ON_SIGTERM_IN_FIRST_RUN = """
+    marker = DIR / f"stopped.{task}"
+    if not marker.exists():
+        def on_sigterm(signum, frame):
+            marker.touch()  # jdp saves a checkpoint here
+            sys.exit(STATUS)
+        signal.signal(signal.SIGTERM, on_sigterm)
+        (DIR / f"ready.{task}").touch()
+        time.sleep(JOB_TIMEOUT_S)
+        sys.exit(1)  # no SIGTERM came
+"""
+EXIT_ALWAYS = """
+    sys.exit(STATUS)
+"""
+
+
+def _requeue_job(tmp_path: Path, behaviour: str, status: int, **env: str) -> tuple[str, Path]:
+    """Submits jdp.sbatch with 2 tasks running a stand-in; returns the job id and its output."""
+    stand_in = tmp_path / "python"
+    stand_in.write_text(
+        f"#!{sys.executable}\n"
+        + textwrap.dedent(f"""
+            import os, signal, sys, time
+            from pathlib import Path
+            DIR, STATUS, JOB_TIMEOUT_S = Path({str(tmp_path)!r}), {status}, {JOB_TIMEOUT_S}
+            task = os.environ["SLURM_PROCID"]
+            with open(DIR / "runs", "a") as runs:
+                print(task, os.environ.get("SLURM_RESTART_COUNT", "0"), file=runs)
+        """)
+        + textwrap.dedent(behaviour)
+        + "sys.exit(0)\n"
+    )
+    stand_in.chmod(0o755)
+    output = tmp_path / "job.out"
+    sbatch = [
+        f"--output={output}",
+        "--nodes=1",
+        f"--ntasks-per-node={NUM_TASKS}",
+        f"--time={JOB_TIME_LIMIT_MIN}",
+        str(SBATCH_SCRIPT),
+        "experiments/vit.py",
+        str(tmp_path / "workdir"),
+    ]
+    return _submit(sbatch, dict(_job_env(), JDP_PYTHON=str(stand_in), **env)), output
+
+
+def _runs(tmp_path: Path) -> list[str]:
+    """"task restart_count" for each run of each task, sorted."""
+    return sorted((tmp_path / "runs").read_text().splitlines())
+
+
+def _both_runs_of_both_tasks() -> list[str]:
+    return sorted(f"{task} {restarts}" for task in range(NUM_TASKS) for restarts in (0, 1))
+
+
+@pytest.mark.parametrize("status", sorted(exit_codes.RESTARTABLE))
+def test_sbatch_script_requeues_a_preempted_or_peer_lost_job_which_then_completes(
+    slurm_cluster, tmp_path, status
+):
+    job_id, output = _requeue_job(tmp_path, EXIT_ON_FIRST_RUN, status)
+    end = _wait_for_end(job_id)
+
+    job_output = output.read_text()
+    assert end == ("COMPLETED", 0, 1), job_output[-3000:]
+    # The second run saw SLURM's restart count: the same job, run again.
+    assert _runs(tmp_path) == _both_runs_of_both_tasks()
+    assert f"jdp: the step exited {status} (" in job_output
+    assert f"requeueing job {job_id} (1 of at most 10)" in job_output
+    assert "jdp: run 2 of this job (requeued 1 time(s))" in job_output
+
+
+def _wait_for_tasks(job_id: str, tmp_path: Path) -> None:
+    """Waits until every task of the stand-in job handles SIGTERM."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not all((tmp_path / f"ready.{task}").exists() for task in range(NUM_TASKS)):
+        if time.monotonic() > deadline:
+            _cancel(job_id)
+            pytest.fail(f"the tasks of job {job_id} did not start in {JOB_TIMEOUT_S}s")
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    "scancel",
+    [
+        # What --signal=TERM@120 does before the time limit: the tasks, not the batch shell.
+        ["--signal=TERM"],
+        # Only the batch shell (as --signal=B:TERM would): the script passes it on.
+        ["--batch", "--signal=TERM"],
+    ],
+    ids=["steps", "batch_shell"],
+)
+def test_sigterm_lets_the_tasks_save_and_the_job_is_requeued(slurm_cluster, tmp_path, scancel):
+    job_id, output = _requeue_job(
+        tmp_path, EXIT_ON_SIGTERM_IN_FIRST_RUN, exit_codes.PREEMPTED
+    )
+    _wait_for_tasks(job_id, tmp_path)
+    subprocess.run(["scancel", *scancel, job_id], check=True, timeout=30)
+    end = _wait_for_end(job_id)
+
+    job_output = output.read_text()
+    assert end == ("COMPLETED", 0, 1), job_output[-3000:]
+    # Both tasks handled SIGTERM (srun, signalled, would have SIGKILLed them).
+    assert all((tmp_path / f"stopped.{task}").exists() for task in range(NUM_TASKS))
+    assert _runs(tmp_path) == _both_runs_of_both_tasks()
+
+
+def test_a_cancelled_job_stays_cancelled_though_its_tasks_saved(slurm_cluster, tmp_path):
+    job_id, output = _requeue_job(
+        tmp_path, EXIT_ON_SIGTERM_IN_FIRST_RUN, exit_codes.PREEMPTED
+    )
+    _wait_for_tasks(job_id, tmp_path)
+    subprocess.run(["scancel", job_id], check=True, timeout=30)
+    end = _wait_for_end(job_id)
+
+    job_output = output.read_text()
+    assert end == ("CANCELLED", exit_codes.PREEMPTED, 0), job_output[-3000:]
+    assert "not running; not requeueing" in job_output
+    assert _runs(tmp_path) == ["0 0", "1 0"]
+
+
+def test_sbatch_script_does_not_requeue_a_bad_config(slurm_cluster, tmp_path):
+    job_id, output = _requeue_job(tmp_path, EXIT_ALWAYS, exit_codes.BAD_CONFIG)
+    end = _wait_for_end(job_id)
+
+    assert end == ("FAILED", exit_codes.BAD_CONFIG, 0), output.read_text()[-3000:]
+    assert _runs(tmp_path) == ["0 0", "1 0"]
+
+
+def test_sbatch_script_requeues_at_most_jdp_max_requeues_times(slurm_cluster, tmp_path):
+    job_id, output = _requeue_job(
+        tmp_path, EXIT_ALWAYS, exit_codes.PEER_LOST, JDP_MAX_REQUEUES="1"
+    )
+    end = _wait_for_end(job_id)
+
+    job_output = output.read_text()
+    assert end == ("FAILED", exit_codes.PEER_LOST, 1), job_output[-3000:]
+    assert _runs(tmp_path) == _both_runs_of_both_tasks()
+    assert "already requeued 1 time(s) (JDP_MAX_REQUEUES=1); not requeueing" in job_output
