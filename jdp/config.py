@@ -41,7 +41,13 @@ def defaults() -> ml_collections.ConfigDict:
     c.grad_accum_steps = 1
     c.compute_dtype = "float32"
     c.remat = "none"
-    c.crash_on_nan = True
+    c.crash_on_nan = True  # stop when more steps than skip_nonfinite_steps are non-finite
+    c.skip_nonfinite_steps = 0  # non-finite updates to skip (and count) before stopping
+    c.tensorboard = True  # TensorBoard event files in <workdir>/tensorboard
+
+    c.profile = ml_collections.ConfigDict()
+    c.profile.start_step = 0  # a jax.profiler trace of steps start_step+1 .. +num_steps
+    c.profile.num_steps = 0  # 0 = no trace
 
     # The data, when the experiment file defines no build_data(config): a TFDS
     # dataset by name (the built-in `digits`, or any prepared in data_dir), or the
@@ -163,7 +169,8 @@ def validate(config: ml_collections.ConfigDict, device_count: int, process_count
                   "base_batch_size", "learning_rate", "checkpoint.max_to_keep"):
         _check_positive(config, field)
     for field in ("eval_every_steps", "warmup_steps", "eval_batch_size", "weight_decay",
-                  "grad_clip_norm", "checkpoint.every_steps", "watchdog_timeout_s"):
+                  "grad_clip_norm", "checkpoint.every_steps", "watchdog_timeout_s",
+                  "skip_nonfinite_steps", "profile.start_step", "profile.num_steps"):
         _check_positive(config, field, allow_zero=True)
     _check_choice(config, "parallel.backend", BACKENDS)
     _check_choice(config, "parallel.mesh", MESH_SHAPES)
@@ -213,8 +220,9 @@ def scaled_learning_rate(
 # spread over devices; where the data lives; how long it runs. Everything else
 # shapes the trajectory and must match the run being resumed.
 RESUMABLE_CHANGES = ("total_steps", "log_every_steps", "eval_every_steps", "eval_batch_size",
-                     "crash_on_nan", "watchdog_timeout_s", "checkpoint", "parallel",
-                     "data.data_dir", "data.num_threads")
+                     "crash_on_nan", "skip_nonfinite_steps", "tensorboard", "profile",
+                     "watchdog_timeout_s", "checkpoint", "parallel", "data.data_dir",
+                     "data.num_threads")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

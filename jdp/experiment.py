@@ -6,6 +6,7 @@
     def build_optimizer(config, learning_rate_fn) -> optax.GradientTransformation  # optional
     def build_data(config) -> jdp.data.Data                     # optional
     def build_task(config) -> jdp.task.Task                     # optional
+    def flops_per_example(config) -> float                      # optional: for MFU
 
 `num_classes` is passed only when `build_model` takes it. Without
 `build_optimizer`, jdp uses AdamW (`jdp.optim.adamw`); without `build_data`, the
@@ -44,6 +45,7 @@ class Experiment:
     build_optimizer: Callable = optim.adamw
     build_data: Callable = default_data.build
     build_task: Callable = _default_task
+    flops_per_example: Callable | None = None  # model FLOPs of one training example
 
     def hook_name(self, hook: str) -> str:
         """How errors name a hook: the experiment's own function, or jdp's default."""
@@ -67,7 +69,7 @@ def load(path: str) -> Experiment:
         raise ConfigError(f"--config={path!r}: the experiment file defines no build_model(config, "
                           "*, num_classes). Fix: add one that returns the Flax model to train.")
     hooks = {hook: getattr(module, hook) for hook in ("build_optimizer", "build_data",
-                                                      "build_task")
+                                                      "build_task", "flops_per_example")
              if callable(getattr(module, hook, None))}
     return Experiment(path=path, build_model=module.build_model, **hooks)
 
@@ -80,6 +82,7 @@ class Parts:
     task: task_lib.Task
     model: modeling.Model
     sample: dict[str, np.ndarray]  # one preprocessed eval example
+    metric_names: tuple[str, ...] = ()  # the eval objective's metrics, besides the loss
 
     def sample_inputs(self) -> tuple:
         """The model inputs for initialisation: zeros of one example's shapes."""
@@ -106,8 +109,8 @@ def build(experiment: Experiment, config) -> Parts:
         raise ConfigError(f"building the model with {experiment.hook_name('build_model')}: "
                           f"{e}") from e
     parts = Parts(data, task, model, sample)
-    _check_task(experiment, parts)
-    return parts
+    eval_objective = _check_task(experiment, parts)
+    return dataclasses.replace(parts, metric_names=tuple(sorted(eval_objective.metrics)))
 
 
 def _call(experiment: Experiment, hook: str, config):
@@ -119,7 +122,8 @@ def _call(experiment: Experiment, hook: str, config):
         raise ConfigError(f"{experiment.hook_name(hook)} failed: {type(e).__name__}: {e}") from e
 
 
-def _check_task(experiment: Experiment, parts: Parts) -> None:
+def _check_task(experiment: Experiment, parts: Parts) -> task_lib.Objective:
+    """Traces model + objectives on a two-example batch; returns the abstract eval objective."""
     task_name = experiment.hook_name("build_task")
     missing = [name for name in parts.task.inputs if name not in parts.sample]
     if missing:
@@ -160,3 +164,4 @@ def _check_task(experiment: Experiment, parts: Parts) -> None:
             raise ConfigError(f"{task_name}: {e}. Fix: return per-example (or per-token) values "
                               "with weights of the same shape: "
                               "Objective(Weighted(loss, weights), {name: Weighted(...)}).") from e
+    return objectives[1]

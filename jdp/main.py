@@ -18,7 +18,7 @@ from ml_collections import config_flags
 
 import jdp
 from jdp import config as config_lib
-from jdp import distributed, train
+from jdp import distributed, exit_codes, train
 from jdp import experiment as experiment_lib
 from jdp.checkpoint import CheckpointError
 from jdp.errors import ConfigError
@@ -34,8 +34,17 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the j
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in the job.")
 _DISTRIBUTED_TIMEOUT = flags.DEFINE_float(
     "distributed_timeout_s", 300.0, "Give up joining the job after this many seconds.")
+_DRY_RUN = flags.DEFINE_bool(
+    "dry_run", False, "Compile the train step for this topology and print the plan (memory, "
+    "FLOPs, collectives, scaling); train nothing, write nothing.")
+_DEVICE_MEMORY = flags.DEFINE_float(
+    "device_memory_gib", None, "With --dry_run: the per-device memory to plan for (default: "
+    "what the device reports; CPUs report none).")
+_STEP_TIME = flags.DEFINE_float(
+    "step_time_s", None, "With --dry_run: a measured step time for the scaling estimate.")
 
-_JDP_FLAGS = (_CONFIG, _WORKDIR, _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID, _DISTRIBUTED_TIMEOUT)
+_JDP_FLAGS = (_CONFIG, _WORKDIR, _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID, _DISTRIBUTED_TIMEOUT,
+              _DRY_RUN, _DEVICE_MEMORY, _STEP_TIME)
 
 
 class UsageError(Exception):
@@ -55,8 +64,10 @@ def _make_workdir(workdir: str) -> None:
                          "Fix: choose a directory you can create and write to.") from e
 
 
-def run(config, config_path: str, workdir: str, devices=None):
-    """Everything after flag parsing; tests call this directly. Returns a train.TrainResult."""
+def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = False,
+        device_memory_gib: float | None = None, step_time_s: float | None = None):
+    """Everything after flag parsing; tests call this directly. Returns a train.TrainResult,
+    or with `dry_run` the `preflight.Preflight` plan (nothing trained or written)."""
     experiment = experiment_lib.load(config_path)
     device_count = jax.device_count() if devices is None else len(devices)
     plan = config_lib.validate(config, device_count, jax.process_count())
@@ -65,6 +76,19 @@ def run(config, config_path: str, workdir: str, devices=None):
         {"config": config_json, "jdp": jdp.__version__, "jax": jax.__version__})
     _check_resumable(workdir, json.loads(config_json))
     parts = experiment_lib.build(experiment, config)  # data, task and model, checked
+    if dry_run:
+        from jdp import plan as plan_lib
+        from jdp import preflight
+
+        memory = None if device_memory_gib is None else int(device_memory_gib * 2**30)
+        result = preflight.preflight(config, experiment, parts, plan, devices,
+                                     device_memory_bytes=memory, step_time_s=step_time_s)
+        print(result.text())
+        try:
+            plan_lib.check_fits(result.inputs)
+        except plan_lib.PlanError as e:
+            raise ConfigError(str(e)) from e
+        return result
 
     if jax.process_index() == 0:
         _make_workdir(workdir)
@@ -122,13 +146,17 @@ def main(argv) -> None:
     # The flag keeps `path.py:ARG` whole; the experiment file is the part before ':'.
     config_path = config_flags.get_config_filename(flags.FLAGS["config"]).partition(":")[0]
     try:
-        result = run(_CONFIG.value, config_path, _WORKDIR.value)
+        result = run(_CONFIG.value, config_path, _WORKDIR.value, dry_run=_DRY_RUN.value,
+                     device_memory_gib=_DEVICE_MEMORY.value, step_time_s=_STEP_TIME.value)
     except (ConfigError, UsageError, CheckpointError, distributed.MismatchError) as e:
         _fail(str(e))
+    except train.NonFiniteError as e:
+        _fail(str(e), exit_codes.NONFINITE)
     except train.Preempted as e:
         logging.info("%s", e)
-        return
-    logging.info("final evaluation: %s", json.dumps(result.eval_metrics))
+        sys.exit(exit_codes.PREEMPTED)
+    if not _DRY_RUN.value:
+        logging.info("final evaluation: %s", json.dumps(result.eval_metrics))
 
 
 # Libraries whose INFO lines (every Orbax save phase, TFDS loads, jax's search for
@@ -150,9 +178,9 @@ class _ConsoleFilter(logging.logging.Filter):
         return True
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, exit_code: int = exit_codes.BAD_CONFIG) -> None:
     print(f"jdp: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(exit_code)
 
 
 if __name__ == "__main__":

@@ -8,23 +8,24 @@ batches are prefetched onto the devices.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
 
 import jax
-import numpy as np
 from absl import logging
 
 from jdp import mesh as mesh_lib
 from jdp import metrics as metrics_lib
-from jdp import modeling, optim
+from jdp import modeling, optim, profiling
 from jdp import task as task_lib
 from jdp.checkpoint import Checkpointer, load_params
 from jdp.config import BatchPlan
 from jdp.data import pipeline
 from jdp.experiment import Experiment, Parts
 from jdp.parallel import Backend, StepOptions, TrainState, compiler_options, make_backend
+from jdp.parallel import step as step_lib
 from jdp.watchdog import Watchdog
 
 
@@ -50,19 +51,68 @@ def evaluate(backend: Backend, state, source, preprocess, *, global_batch_size: 
     return {**result, "eval/num_examples": float(count)}
 
 
-def _log_compiled(compiled) -> None:
+def _log_compiled(compiled) -> int | None:
+    """Logs the compiled step's per-device memory; returns its total bytes (None if unknown)."""
     memory = compiled.memory_analysis()
-    if memory is not None:
-        logging.info("compiled train step, per device: arguments %.1f MiB, outputs %.1f MiB, "
-                     "temporaries %.1f MiB", memory.argument_size_in_bytes / 2**20,
-                     memory.output_size_in_bytes / 2**20, memory.temp_size_in_bytes / 2**20)
+    if memory is None:
+        return None
+    logging.info("compiled train step, per device: arguments %.1f MiB, outputs %.1f MiB, "
+                 "temporaries %.1f MiB", memory.argument_size_in_bytes / 2**20,
+                 memory.output_size_in_bytes / 2**20, memory.temp_size_in_bytes / 2**20)
+    return (memory.argument_size_in_bytes + memory.output_size_in_bytes
+            + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+
+
+def _writers(config, workdir: str, is_writer: bool, start_step: int) -> metrics_lib.Writer:
+    """metrics.jsonl and (unless turned off) TensorBoard event files; process 0 only."""
+    writers = [metrics_lib.JsonlWriter(os.path.join(workdir, "metrics.jsonl"),
+                                       enabled=is_writer, resume_step=start_step)]
+    if is_writer and config.tensorboard:
+        writers.append(metrics_lib.TensorBoardWriter(os.path.join(workdir, "tensorboard")))
+    return metrics_lib.MultiWriter(writers)
+
+
+class NonFiniteError(Exception):
+    """The loss or gradients went non-finite more often than allowed; nothing was saved
+    past the last good checkpoint. The job exits with status 3."""
+
+
+class _NonFiniteGuard:
+    """Counts the updates the step skipped as non-finite and stops the run when the
+    config allows no more (`skip_nonfinite_steps`; `crash_on_nan=False`: never stop)."""
+
+    def __init__(self, config, checkpointer: Checkpointer):
+        self.allowed = config.skip_nonfinite_steps
+        self.crash = config.crash_on_nan
+        self.checkpointer = checkpointer
+        self.skipped = 0
+
+    def check(self, sums: dict, step: int, count: bool = True) -> None:
+        new = int(round(float(sums[step_lib.NONFINITE])))
+        if new == 0:
+            return
+        first = int(sums[metrics_lib.FIRST_NONFINITE_STEP])
+        if self.crash and self.skipped + new > self.allowed:
+            latest = self.checkpointer.latest_step()
+            kept = f"step {latest}" if latest is not None else "none yet"
+            raise NonFiniteError(
+                f"the loss or gradients were not finite at step {first} ({self.skipped + new} "
+                f"non-finite step(s) by step {step}, config.skip_nonfinite_steps="
+                f"{self.allowed}); nothing non-finite was saved (newest checkpoint: {kept}). "
+                "Fix: lower --config.learning_rate, set --config.grad_clip_norm=1.0, compute "
+                "in float32, or let --config.skip_nonfinite_steps=N skip a few bad batches.")
+        if count:
+            self.skipped += new
+            logging.warning("skipped %d non-finite update(s), the first at step %d (%d so far)",
+                            new, first, self.skipped)
 
 
 CHECKPOINT_DIR = "checkpoints"  # inside the workdir
 
 
 class Preempted(Exception):
-    """Raised out of the loop once a preemption checkpoint is saved; the job exits 0."""
+    """Raised out of the loop once a preemption checkpoint is saved; the job exits 76
+    (`exit_codes.PREEMPTED`), which launchers take as "resume me"."""
 
     def __init__(self, step: int):
         super().__init__(f"preempted: saved a checkpoint at step {step}; rerun to resume")
@@ -102,6 +152,7 @@ def build_backend(config, mesh, model: modeling.Model, task: task_lib.Task, tx) 
         shard_optimizer_state=config.parallel.shard_optimizer_state,
         shard_params=config.parallel.shard_params,
         compiler_options=compiler_options(mesh.devices.flat[0].platform, config.remat),
+        learning_rate_fn=optim.learning_rate_fn(config),
     ))
 
 
@@ -142,67 +193,101 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, parts: Part
                  f"{num_params:,}", optim.peak_learning_rate(config), config.lr_scaling)
     state = backend.from_global(state)
 
-    # -- 4. Input stream from the current step, and the compiled step ------------
+    # -- 4. Input stream from the current step, writers and the watchdog ---------
     total_steps = config.total_steps
     batches = pipeline.Prefetcher(
         pipeline.train_batches(stream, global_batch_size=plan.global_batch_size, rows=rows,
                                start_step=start_step, num_steps=total_steps - start_step,
                                num_threads=config.data.num_threads),
         backend.put_batch)
-    writer = metrics_lib.JsonlWriter(os.path.join(workdir, "metrics.jsonl"), enabled=is_writer,
-                                     resume_step=start_step)
-    timer = metrics_lib.StepTimer(plan.global_batch_size, total_steps)
+    writer = _writers(config, workdir, is_writer, start_step)
+    clock = metrics_lib.WindowClock(plan.global_batch_size, mesh.size)
     watchdog = Watchdog(config.watchdog_timeout_s) if config.watchdog_timeout_s else None
     heartbeat = watchdog.heartbeat if watchdog else (lambda step: None)
+    busy = watchdog.busy if watchdog else (lambda step: contextlib.nullcontext())
+    profiler = profiling.StepProfiler(config.profile.start_step, config.profile.num_steps,
+                                      os.path.join(workdir, "profile",
+                                                   f"process_{jax.process_index()}"))
+    nonfinite = _NonFiniteGuard(config, checkpointer)
+    device = mesh.devices.flat[0]
+    peak_flops = metrics_lib.peak_flops_per_s(device.device_kind)
+    model_flops_per_step = None  # per device, from the experiment's FLOPs per example
+    if experiment.flops_per_example is not None:
+        model_flops_per_step = (experiment.flops_per_example(config)
+                                * plan.global_batch_size / mesh.size)
 
     def run_eval(step, state) -> dict:
-        result = evaluate(backend, state, data.eval, data.preprocess_for(train=False),
-                          global_batch_size=eval_batch_size, rows=eval_rows,
-                          num_threads=config.data.num_threads,
-                          heartbeat=lambda: heartbeat(step))
+        with clock.timed("eval"):
+            result = evaluate(backend, state, data.eval, data.preprocess_for(train=False),
+                              global_batch_size=eval_batch_size, rows=eval_rows,
+                              num_threads=config.data.num_threads,
+                              heartbeat=lambda: heartbeat(step))
         metrics_lib.log_eval(step, result)
         writer.write(step, result)
         return result
 
-    def report(step, metrics) -> None:
-        values = {f"train/{k}": float(v) for k, v in backend.fetch(metrics).items()}
-        if config.crash_on_nan and not np.isfinite(values["train/loss"]):
-            raise FloatingPointError(
-                f"train/loss is {values['train/loss']} at step {step}. Fix: lower "
-                "--config.learning_rate, set --config.grad_clip_norm, or use float32 compute.")
-        values["train/learning_rate"] = float(learning_rate(step - 1))
-        values.update(timer.lap(step))
-        values.update(metrics_lib.compute_metrics(flops_per_step, values["train/step_time_s"],
-                                                  peak_flops))
+    first_log = {}  # figures reported once, with the first log step
+
+    def report(step, steps, window) -> None:
+        """A log step's figures: the window's means (read one step late) and its times."""
+        sums = backend.fetch(window)
+        nonfinite.check(sums, step)
+        means = metrics_lib.window_means(sums, steps)
+        del means[step_lib.NONFINITE]  # counted in train/skipped_steps instead
+        values = {f"train/{k}": v for k, v in means.items()}
+        values["train/skipped_steps"] = float(nonfinite.skipped)
+        values.update(clock.lap(step))
+        values.update(metrics_lib.compute_metrics(flops_per_step, model_flops_per_step,
+                                                  values["train/step_time_s"], peak_flops))
+        values.update(metrics_lib.memory_metrics(device, compiled_bytes))
+        values.update(first_log)
+        first_log.clear()
         metrics_lib.log_train(step, total_steps, values,
-                              timer.eta_s(step, values["train/step_time_s"]))
+                              metrics_lib.eta_s(step, total_steps, values["train/step_time_s"]))
         writer.write(step, values)
 
-    # -- 5. The loop -------------------------------------------------------------
+    # -- 5. Compile ahead of time, then the loop ---------------------------------
     final_eval: dict = {}
-    pending = None  # (step, device metrics) of a log step, read after the next dispatch
-    flops_per_step = None  # per device, from XLA's cost analysis of the compiled step
-    peak_flops = metrics_lib.peak_flops_per_s(mesh.devices.flat[0].device_kind)
+    window = None  # device sums of the per-step metrics since the last log step
+    window_steps = 0
+    pending = None  # (step, steps, window) of a log step, read after the next dispatch
+    flops_per_step = compiled_bytes = None
     try:
         if start_step < total_steps:
-            first_batch = next(batches)
+            with clock.timed("data_wait"):
+                first_batch = next(batches)
             t0 = time.monotonic()
             compiled = backend.compiled_train_step(state, first_batch)
-            logging.info("compiled the train step in %.1f s", time.monotonic() - t0)
-            _log_compiled(compiled)
+            # The eval step too: compiling it at the first evaluation would stall the
+            # loop (and the watchdog's heartbeats) for as long.
+            backend.compile_eval_step(state, backend.put_batch(
+                pipeline.eval_sample_batch(parts.sample, eval_rows)))
+            first_log["time/compile_s"] = compile_s = time.monotonic() - t0
+            logging.info("compiled the train and eval steps in %.1f s", compile_s)
+            compiled_bytes = _log_compiled(compiled)
             flops_per_step = (compiled.cost_analysis() or {}).get("flops")
-            timer.start(start_step)
+            clock.start(start_step)
             if watchdog:
                 watchdog.start()
         for step in range(start_step, total_steps):
-            batch = first_batch if step == start_step else next(batches)
-            state, metrics = compiled(state, batch)
+            if step > start_step:
+                with clock.timed("data_wait"):
+                    batch = next(batches)
+            else:
+                batch = first_batch
+            profiler.before(step)
+            with profiler.annotate(step):
+                state, metrics = compiled(state, batch)
+            window = metrics if window is None else metrics_lib.add_to_window(window, metrics)
+            window_steps += 1
             done = step + 1
             heartbeat(done)
+            profiler.after(done, metrics)
             if pending is not None:
                 report(*pending)
-            pending = (done, metrics) if _should(done, config.log_every_steps, total_steps) \
-                else None
+                pending = None
+            if _should(done, config.log_every_steps, total_steps):
+                pending, window, window_steps = (done, window_steps, window), None, 0
             eval_metrics = None
             if _should(done, config.eval_every_steps, total_steps):
                 if pending is not None:
@@ -211,20 +296,28 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, parts: Part
                 eval_metrics = final_eval = run_eval(done, state)
             preempted = checkpointer.reached_preemption(done)
             if preempted or _should(done, config.checkpoint.every_steps, total_steps):
-                checkpointer.save(done, backend.to_global(state), metrics=eval_metrics,
-                                  force=True)
-            if preempted:
+                # Never save past a step that was not finite: check every step since the
+                # last check (the save waits for the device anyway).
                 if pending is not None:
                     report(*pending)
+                    pending = None
+                if window is not None:
+                    nonfinite.check(backend.fetch(window), done, count=False)
+                with clock.timed("checkpoint"), busy(done):
+                    checkpointer.save(done, backend.to_global(state), metrics=eval_metrics,
+                                      force=True)
+            if preempted:
                 raise Preempted(done)
         if pending is not None:
             report(*pending)
     finally:
+        profiler.close()
         batches.close()
         if watchdog:
             watchdog.stop()  # waiting for the last save may take longer than a step
         checkpointer.wait()
         checkpointer.close()
+        writer.close()
     if not final_eval:  # resumed at the end: evaluate what was restored
         final_eval = run_eval(total_steps, state)
     return TrainResult(final_eval, backend.to_global(state))

@@ -18,6 +18,7 @@ the difference in start-up (compile) time between processes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -30,9 +31,11 @@ from typing import NoReturn, Protocol
 
 from jax._src import distributed as jax_distributed
 
+from jdp import exit_codes
+
 # os.EX_TEMPFAIL: the job failed because a process or the coordinator went
 # missing or stuck; restarting (from the last checkpoint) may succeed.
-EXIT_CODE = 75
+EXIT_CODE = exit_codes.PEER_LOST
 
 _KEY_DIR = "jdp/watchdog/"
 
@@ -143,6 +146,30 @@ class Watchdog:
         if self._first_beat_at is None:
             self._first_beat_at = now
         self._last_beat = (step, beats, now)
+
+    @contextlib.contextmanager
+    def busy(self, step: int, limit_s: float | None = None):
+        """Keeps beating while the caller waits on something slow but alive (a checkpoint
+        save waiting for the previous one, slow storage), for at most `limit_s` (default
+        10 x timeout_s): a wait longer than that is a hang, and is reported as one."""
+        limit_s = 10 * self.timeout_s if limit_s is None else limit_s
+        done = threading.Event()
+        started = self._clock()
+
+        def beat() -> None:
+            while not done.wait(self.poll_interval_s / 2):
+                if self._clock() - started > limit_s:
+                    return
+                self.heartbeat(step)
+
+        thread = threading.Thread(target=beat, name="jdp-watchdog-busy", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+            self.heartbeat(step)
 
     def start(self) -> Watchdog:
         if self._threads:

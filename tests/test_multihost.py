@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from jdp import exit_codes
 from runs import REPO, checkpoint_arrays, logged_steps, losses, main_env, read_metrics, train
 
 pytestmark = pytest.mark.slow
@@ -147,7 +148,7 @@ def test_a_killed_process_makes_the_other_exit_with_a_report(tmp_path):
     assert "process 1" in log, log[-3000:]
 
 
-def test_sigterm_to_one_process_saves_on_all_at_one_step_and_exits_0(tmp_path):
+def test_sigterm_to_one_process_saves_on_all_at_one_step_and_exits_76(tmp_path):
     args = ["--config.total_steps=100000", "--config.log_every_steps=1",
             "--config.batch_size=64"]
     children = start_processes(tmp_path, [args, args], devices_per_process=2)
@@ -158,7 +159,7 @@ def test_sigterm_to_one_process_saves_on_all_at_one_step_and_exits_0(tmp_path):
     finally:
         stop_all(children)
     logs = [(tmp_path / f"p{i}.log").read_text() for i in range(2)]
-    assert codes == [0, 0], [log[-2000:] for log in logs]
+    assert codes == [exit_codes.PREEMPTED] * 2, [log[-2000:] for log in logs]
     steps = [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
     assert len(steps) == 1 and steps[0] >= 3
     for log in logs:

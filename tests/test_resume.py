@@ -1,4 +1,4 @@
-"""Nothing is lost: a killed run resumes bitwise, SIGTERM saves and exits 0, a checkpoint
+"""Nothing is lost: a killed run resumes bitwise, SIGTERM saves and exits 76, a checkpoint
 resumes on another topology and backend, incomplete checkpoints are skipped, and bad
 resume inputs fail with a clear error."""
 
@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from jdp import exit_codes
 from runs import (
     checkpoint_arrays,
     logged_steps,
@@ -67,7 +68,7 @@ def test_sigkill_after_a_checkpoint_then_rerun_is_bitwise_identical(reference, t
     assert_bitwise_equal(checkpoint_arrays(workdir, 40), checkpoint_arrays(reference, 40))
 
 
-def test_sigterm_saves_where_it_is_and_exits_0_then_resumes(reference, tmp_path):
+def test_sigterm_saves_where_it_is_and_exits_76_then_resumes(reference, tmp_path):
     workdir = tmp_path / "run"
     proc = start_main(*RUN, f"--workdir={workdir}", stdout=subprocess.DEVNULL,
                       stderr=subprocess.PIPE, text=True)
@@ -77,7 +78,7 @@ def test_sigterm_saves_where_it_is_and_exits_0_then_resumes(reference, tmp_path)
         _, stderr = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 0, stderr[-3000:]
+    assert proc.returncode == exit_codes.PREEMPTED, stderr[-3000:]  # "resume me"
     saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
     assert saved and 5 <= saved[-1] < 40, saved
     assert "preempted" in stderr

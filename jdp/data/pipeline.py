@@ -107,6 +107,16 @@ def _stack(examples: list[dict]) -> Batch:
             "make the preprocessing return one shape for every example (pad or crop).") from e
 
 
+def eval_sample_batch(sample: dict, rows: slice) -> Batch:
+    """A batch shaped like this process's rows of an evaluation batch (zeros, mask 0):
+    what the eval step is compiled for ahead of time."""
+    count = rows.stop - rows.start
+    batch = {key: np.zeros((count, *np.shape(value)), np.asarray(value).dtype)
+             for key, value in sample.items()}
+    batch["mask"] = np.zeros((count,), np.float32)
+    return batch
+
+
 class Prefetcher:
     """Moves host batches onto devices in a background thread, `depth` ahead.
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -40,6 +41,7 @@ class StepOptions:
     shard_optimizer_state: bool = False  # ZeRO-1
     shard_params: bool = False  # FSDP-style
     compiler_options: dict | None = None  # passed to XLA when compiling the train step
+    learning_rate_fn: Callable | None = None  # step -> LR, reported from inside the step
 
 
 def compiler_options(platform: str, remat: str) -> dict | None:
@@ -70,6 +72,8 @@ class Backend:
         self.task = task
         self.tx = tx
         self.options = options
+        self._eval_step = None  # the backend's jitted or pmapped eval step
+        self._compiled_eval_step = None
 
     # -- state: the canonical form is global arrays over the mesh ----------------
     def global_shardings(self, abstract_state: step_lib.TrainState):
@@ -111,6 +115,15 @@ class Backend:
     def to_global(self, state):
         return state
 
+    def abstract_working(self, abstract_state, example: dict, global_batch_size: int):
+        """(state, batch) as the compiled step sees them, shapes only: for compiling
+        ahead of time without allocating anything (the dry run)."""
+        batch = {key: jax.ShapeDtypeStruct((global_batch_size, *np.shape(value)),
+                                           np.asarray(value).dtype,
+                                           sharding=mesh_lib.batch_sharding(self.mesh))
+                 for key, value in example.items()}
+        return abstract_state, batch
+
     # -- steps ---------------------------------------------------------------
     def put_batch(self, local_batch: dict[str, np.ndarray]):
         raise NotImplementedError
@@ -124,8 +137,13 @@ class Backend:
         for memory_analysis(), cost_analysis() and the optimised HLO."""
         return self.lowered_train_step(state, batch).compile(self.options.compiler_options)
 
-    def eval_step(self, state, batch) -> dict:
-        raise NotImplementedError
+    def compile_eval_step(self, state, batch) -> None:
+        """Compiles the eval step for batches shaped like `batch` now, ahead of time."""
+        self._compiled_eval_step = self._eval_step.lower(state, batch).compile()
+
+    def eval_step(self, state, batch):
+        """Weighted sums of the eval objective over the batch and its number of examples."""
+        return (self._compiled_eval_step or self._eval_step)(state, batch)
 
     def fetch(self, tree) -> Any:
         """Replicated device values -> host numpy (blocks)."""
@@ -168,7 +186,8 @@ class PjitBackend(Backend):
                 out_specs=(P(), P(), P()),
                 check_vma=False,
             )(state.params, state.model_state, batch, state.rng, state.step)
-            return step_lib.apply_gradients(self.tx, state, grads, model_state), metrics
+            return step_lib.apply_gradients(self.tx, state, grads, model_state, metrics,
+                                            opts.learning_rate_fn)
 
         return train_step
 
@@ -185,9 +204,6 @@ class PjitBackend(Backend):
 
     def lowered_train_step(self, state, batch):
         return self._jitted(state).lower(state, batch)
-
-    def eval_step(self, state, batch):
-        return self._eval_step(state, batch)
 
     def fetch(self, tree):
         return jax.device_get(tree)
@@ -208,7 +224,8 @@ class PmapBackend(Backend):
                 model, task, state.params, state.model_state, batch,
                 step_lib.step_rng(state.rng, state.step),
                 accum_steps=opts.accum_steps, reduce_dtype=jnp.dtype(opts.reduce_dtype))
-            return step_lib.apply_gradients(self.tx, state, grads, model_state), metrics
+            return step_lib.apply_gradients(self.tx, state, grads, model_state, metrics,
+                                            opts.learning_rate_fn)
 
         def eval_step(state, batch):
             return jax.lax.psum(step_lib.eval_sums(model, task, state, batch), DATA_AXIS)
@@ -241,6 +258,16 @@ class PmapBackend(Backend):
 
         return jax.tree.map(unstack, state)
 
+    def abstract_working(self, abstract_state, example: dict, global_batch_size: int):
+        def stacked(shape, dtype):
+            return jax.ShapeDtypeStruct((self.mesh.size, *shape), dtype, sharding=self._stacked)
+
+        per_device = global_batch_size // self.mesh.size
+        state = jax.tree.map(lambda x: stacked(x.shape, x.dtype), abstract_state)
+        batch = {key: stacked((per_device, *np.shape(value)), np.asarray(value).dtype)
+                 for key, value in example.items()}
+        return state, batch
+
     def put_batch(self, local_batch):
         local_count = len(self.mesh.local_devices)
 
@@ -253,9 +280,6 @@ class PmapBackend(Backend):
 
     def lowered_train_step(self, state, batch):
         return self._train_step.lower(state, batch)
-
-    def eval_step(self, state, batch):
-        return self._eval_step(state, batch)
 
     def fetch(self, tree):
         # Every replica holds the same (reduced) value: read the first.

@@ -14,11 +14,13 @@ from typing import Any
 
 import flax.struct
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import optax
 
 from jdp import DATA_AXIS
 from jdp import task as task_lib
+from jdp.metrics import FIRST_NONFINITE_STEP
 from jdp.modeling import Model
 from jdp.task import Task
 
@@ -98,17 +100,43 @@ def device_gradients(
     grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
     # The one collective of the step: gradient sums, metric sums and weight totals
     # in one all-reduce (the sums stay float32 whatever the gradients travel in).
-    grads, sums = jax.lax.psum((grads, sums), axis_name)
+    # The sums travel as one float32 vector: one operand instead of two per metric.
+    flat_sums, unflatten = jax.flatten_util.ravel_pytree(sums)
+    grads, flat_sums = jax.lax.psum((grads, flat_sums), axis_name)
+    sums = unflatten(flat_sums)
     loss_weight = sums[task_lib.LOSS][1]
     grads = jax.tree.map(lambda g: task_lib.safe_divide(g.astype(jnp.float32), loss_weight),
                          grads)
     return grads, model_state, task_lib.means(sums)
 
 
-def apply_gradients(tx: optax.GradientTransformation, state: TrainState, grads, model_state):
+# Per-step statistics the step reports beside the task's metrics.
+NONFINITE = "nonfinite"  # 1.0 when the loss or the gradients were not finite (update skipped)
+
+
+def apply_gradients(tx: optax.GradientTransformation, state: TrainState, grads, model_state,
+                    metrics: dict, learning_rate_fn=None) -> tuple[TrainState, dict]:
+    """One optimizer update, skipped (state kept, step counted) when it is not finite.
+
+    A non-finite loss or gradient never reaches the params, so every state the
+    trainer can save is finite; the step reports it (`nonfinite`) for the trainer
+    to stop or count. Also reports the global gradient, update and parameter
+    norms and the learning rate of this step, all computed on the device.
+    """
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                         opt_state=opt_state, model_state=model_state)
+    params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(metrics[task_lib.LOSS]) & jnp.isfinite(grad_norm)
+    updated = state.replace(params=params, opt_state=opt_state, model_state=model_state)
+    state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, state)
+    stats = {"grad_norm": grad_norm, "update_norm": optax.global_norm(updates),
+             "param_norm": optax.global_norm(state.params),
+             NONFINITE: 1.0 - finite.astype(jnp.float32),
+             FIRST_NONFINITE_STEP: jnp.where(finite, jnp.iinfo(jnp.int32).max, state.step + 1)}
+    if learning_rate_fn is not None:
+        stats["learning_rate"] = jnp.asarray(learning_rate_fn(state.step), jnp.float32)
+    # The data position is the step: a skipped update still consumed its batch.
+    return state.replace(step=state.step + 1), {**metrics, **stats}
 
 
 def eval_sums(model: Model, task: Task, state: TrainState, batch: dict):

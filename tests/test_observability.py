@@ -1,0 +1,172 @@
+"""What a run tells while it trains: TensorBoard scalars equal to metrics.jsonl, train
+metrics that are means over the logging window, norms and the learning rate from inside
+the step, the share of time spent waiting for input, and profiler traces."""
+
+import glob
+import textwrap
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from jdp import experiment, optim
+from jdp.data import pipeline
+from jdp.mesh import make_mesh
+from jdp.task import weighted_sums
+from jdp.train import build_backend
+from runs import load_config, losses, train
+
+VIT = "experiments/vit.py"
+TINY = ("--config.batch_size=64", "--config.total_steps=10", "--config.warmup_steps=2",
+        "--config.eval_every_steps=10", "--config.log_every_steps=5")
+
+
+@pytest.fixture(scope="module")
+def every_step(tmp_path_factory):
+    """The same run logged at every step: the reference for windows and profiling."""
+    workdir = tmp_path_factory.mktemp("every")
+    return (*train(VIT, workdir, *TINY, "--config.log_every_steps=1"), workdir)
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("windowed")
+    return (*train(VIT, workdir, *TINY), workdir)
+
+
+def test_tensorboard_scalars_equal_the_jsonl_values(windowed):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, records, workdir = windowed
+    events = EventAccumulator(str(workdir / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    compared = 0
+    for record in records:
+        for key, value in record.items():
+            if key == "step":
+                continue
+            assert key in tags, key
+            by_step = {e.step: e.value for e in events.Scalars(key)}
+            np.testing.assert_allclose(by_step[record["step"]], value, rtol=1e-6, err_msg=key)
+            compared += 1
+    assert compared > 20 and {"train/loss", "eval/accuracy"} <= tags
+
+
+def test_train_loss_is_the_mean_of_the_window(every_step, windowed):
+    per_step, window = losses(every_step[1]), losses(windowed[1])
+    assert sorted(window) == [5, 10]
+    np.testing.assert_allclose(window[5], np.mean([per_step[s] for s in range(1, 6)]), rtol=1e-6)
+    np.testing.assert_allclose(window[10], np.mean([per_step[s] for s in range(6, 11)]),
+                               rtol=1e-6)
+    assert window[5] != per_step[5]  # so the test can tell a window from its last step
+
+
+def test_norms_and_learning_rate_come_from_the_step(every_step):
+    """Step 1's gradient norm equals a hand computation on the same batch and params."""
+    config = load_config(VIT, *TINY)
+    exp = experiment.load(VIT)
+    parts = experiment.build(exp, config)
+    backend = build_backend(config, make_mesh(), parts.model, parts.task,
+                            exp.build_optimizer(config, optim.learning_rate_fn(config)))
+    state = jax.device_get(backend.init_global(jax.random.key(config.seed),
+                                               parts.sample_inputs()))
+    stream = pipeline.example_stream(parts.data.train, parts.data.preprocess_for(train=True),
+                                     config.seed)
+    batch = next(pipeline.train_batches(stream, global_batch_size=64, rows=slice(0, 64),
+                                        start_step=0, num_steps=1, num_threads=1))
+
+    def loss(params):
+        outputs, _ = parts.model.apply(params, state.model_state,
+                                       parts.task.model_inputs(batch), True,
+                                       jax.random.key(0))
+        total, weight = weighted_sums(parts.task.objective(outputs, batch))["loss"]
+        return total / weight
+
+    grad_norm = float(optax.global_norm(jax.grad(loss)(state.params)))
+    first, second = every_step[1][:2]
+    assert (first["step"], second["step"]) == (1, 2)
+    np.testing.assert_allclose(first["train/grad_norm"], grad_norm, rtol=1e-4)
+    # The warmup starts at a learning rate of 0: step 1 leaves the params where they were.
+    np.testing.assert_allclose(first["train/param_norm"], float(optax.global_norm(state.params)),
+                               rtol=1e-6)
+    assert first["train/update_norm"] == 0 and second["train/update_norm"] > 0
+    lr = optim.learning_rate_fn(config)
+    for record in every_step[1]:
+        if "train/learning_rate" in record:
+            np.testing.assert_allclose(record["train/learning_rate"],
+                                       float(lr(record["step"] - 1)), rtol=1e-6)
+
+
+def test_the_time_breakdown_is_logged(windowed):
+    _, records, _ = windowed
+    first = next(r for r in records if "train/loss" in r)
+    for key in ("train/step_time_s", "train/examples_per_s", "train/examples_per_s_per_device",
+                "train/data_wait_fraction", "time/eval_s", "time/checkpoint_s", "time/wall_s",
+                "time/compile_s", "memory/host_rss_mib"):
+        assert key in first, key
+    assert 0 <= first["train/data_wait_fraction"] <= 1
+    assert first["train/examples_per_s_per_device"] * 8 == pytest.approx(
+        first["train/examples_per_s"])
+    # CPU devices report no memory statistics: the compiled step's footprint stands in.
+    assert first["memory/compiled_step_mib"] > 0
+    later = [r for r in records if "train/loss" in r][1]
+    assert "time/compile_s" not in later and later["time/wall_s"] > first["time/wall_s"]
+    assert later["time/eval_s"] == 0  # no evaluation inside the second window
+
+
+SLOW_INPUT_EXPERIMENT = '''
+    """digits through a source that takes 10 ms per example: input-bound on purpose."""
+    import time
+
+    from jdp.data import Data, default
+
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("vit", "{vit}")
+    vit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vit)
+    get_config, build_model = vit.get_config, vit.build_model
+
+
+    class Slow:
+        def __init__(self, source):
+            self.source = source
+
+        def __len__(self):
+            return len(self.source)
+
+        def __getitem__(self, index):
+            time.sleep(0.01)
+            return self.source[index]
+
+
+    def build_data(config):
+        data = default.build(config)
+        return Data(Slow(data.train), data.eval, data.preprocess, data.eval_preprocess,
+                    data.num_classes)
+'''
+
+
+def test_a_slow_input_shows_as_data_wait(tmp_path):
+    import os
+
+    experiment_file = tmp_path / "slow.py"
+    experiment_file.write_text(textwrap.dedent(SLOW_INPUT_EXPERIMENT).replace(
+        "{vit}", os.path.abspath(VIT)))
+    _, records = train(str(experiment_file), tmp_path / "run", *TINY,
+                       "--config.data.num_threads=1", "--config.total_steps=16",
+                       "--config.log_every_steps=4")
+    waits = [r["train/data_wait_fraction"] for r in records if "train/loss" in r]
+    # The prefetch buffers, filled while the step compiled, hide the first steps;
+    # then each step waits for 64 x 10 ms of input.
+    assert waits[-1] > 0.5 and waits[0] < waits[-1], waits
+
+
+def test_a_profile_window_writes_a_trace_and_changes_no_metric(every_step, tmp_path):
+    _, records = train(VIT, tmp_path, *TINY, "--config.log_every_steps=1",
+                       "--config.profile.start_step=3", "--config.profile.num_steps=2")
+    traces = glob.glob(str(tmp_path / "profile" / "process_0" / "**" / "*.xplane.pb"),
+                       recursive=True)
+    assert traces, list((tmp_path / "profile").rglob("*"))
+    assert losses(records) == losses(every_step[1])
