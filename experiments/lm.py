@@ -17,7 +17,7 @@ import ml_collections
 from jdp import task
 from jdp.config import defaults
 from jdp.data import Data, addition
-from jdp.models.transformer import transformer
+from jdp.models.transformer import flops_per_token, transformer
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -68,3 +68,12 @@ def build_model(config):
         dtype=jnp.dtype(config.compute_dtype),
         remat=config.remat,
     )
+
+
+def flops_per_example(config) -> float:
+    """Model FLOPs per training sequence, for MFU (jdp.models.transformer's formula)."""
+    model = build_model(config)
+    length = addition.sequence_length(config.data.max_digits)
+    return length * flops_per_token(hidden_size=model.hidden_size, num_layers=model.num_layers,
+                                    mlp_dim=model.mlp_dim, vocab_size=model.vocab_size,
+                                    length=length)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jdp.config import defaults
+from jdp.models import vit as vit_lib
 from jdp.models.vit import vit
 
 
@@ -71,3 +72,12 @@ def build_model(config, *, num_classes):
         dtype=jnp.dtype(config.compute_dtype),
         remat=config.remat,
     )
+
+
+def flops_per_example(config) -> float:
+    """Model FLOPs per training example, for MFU (jdp.models.vit's formula)."""
+    image_size = config.data.image_size or {"digits": 8, "cifar10": 32}.get(config.data.name, 224)
+    channels = 1 if config.data.name == "digits" else 3
+    num_classes = config.data.num_classes or {"imagenet2012": 1000}.get(config.data.name, 10)
+    return vit_lib.flops_per_example(build_model(config, num_classes=num_classes),
+                                     image_size=image_size, channels=channels)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
+import jax
 from flax import nnx
 
 Params = Any
@@ -95,3 +96,16 @@ def build(build_model: Callable, config, num_classes: int | None) -> Model:
             f"build_model returned {type(module).__name__}; expected a flax.linen.Module, "
             "or take an `rngs` argument and return a flax.nnx.Module")
     return from_linen(module)
+
+
+def forward_flops(model: Model, sample_inputs: tuple) -> float | None:
+    """XLA's FLOP count of one forward pass (inference mode) on `sample_inputs`; from the
+    lowered program, nothing is compiled or run. None where XLA gives no count."""
+    rng = jax.random.key(0)
+    params, model_state = jax.eval_shape(model.init, rng, sample_inputs)
+
+    def forward(params, model_state, inputs):
+        return model.apply(params, model_state, inputs, False, rng)[0]
+
+    cost = jax.jit(forward).lower(params, model_state, sample_inputs).cost_analysis()
+    return (cost or {}).get("flops")

@@ -100,20 +100,33 @@ def _outside_loop_all_reduces(collectives: Sequence[Collective]) -> list[Collect
     return [c for c in collectives if c.kind == "all-reduce" and not c.in_loop]
 
 
-def gradient_all_reduce_bytes(collectives: Sequence[Collective]) -> int:
-    """Bytes of the step's gradient all-reduce: the largest all-reduce outside loops.
+GRADIENT_SCOPE = "gradient_all_reduce"  # jdp.parallel.step names its one reduction so
 
-    jdp sends all gradients, with the task's packed metric sums, in one all-reduce per
-    optimizer step; smaller ones are the model's own (BatchNorm's global statistics).
+
+def _is_gradient_reduce(collective: Collective) -> bool:
+    return collective.kind == "all-reduce" and GRADIENT_SCOPE in collective.op_name
+
+
+def gradient_all_reduce_bytes(collectives: Sequence[Collective]) -> int:
+    """Bytes of the step's gradient all-reduce (gradients plus the packed metric sums).
+
+    jdp issues it under the name scope `gradient_all_reduce`; HLO without that
+    metadata falls back to the largest all-reduce outside loops. The program as
+    lowered may split it into one op per gradient leaf: all of them count.
     """
-    reduces = _outside_loop_all_reduces(collectives)
-    return max((c.bytes for c in reduces), default=0)
+    named = [c for c in collectives if _is_gradient_reduce(c)]
+    if named:
+        return sum(c.bytes for c in named)
+    return max((c.bytes for c in _outside_loop_all_reduces(collectives)), default=0)
 
 
 def other_all_reduces(collectives: Sequence[Collective]) -> list[Collective]:
     """All-reduces besides the gradient one (BatchNorm statistics, the model's own)."""
-    reduces = sorted(_outside_loop_all_reduces(collectives), key=lambda c: c.bytes)
-    return reduces[:-1] + [c for c in collectives if c.kind == "all-reduce" and c.in_loop]
+    reduces = [c for c in collectives if c.kind == "all-reduce"]
+    if any(_is_gradient_reduce(c) for c in reduces):
+        return [c for c in reduces if not _is_gradient_reduce(c)]
+    outside = sorted(_outside_loop_all_reduces(reduces), key=lambda c: c.bytes)
+    return outside[:-1] + [c for c in reduces if c.in_loop]
 
 
 def expected_gradient_bytes(num_params: int, grad_reduce_dtype: str) -> int:

@@ -71,4 +71,4 @@ def preflight(config, experiment: Experiment, parts: Parts, plan: BatchPlan, dev
         grad_reduce_dtype=config.parallel.grad_reduce_dtype,
         # (sum, weight) of the loss and each metric, packed beside the gradients
         metric_bytes=4 * 2 * (1 + len(parts.metric_names)))
-    return Preflight(inputs, lowered.as_text(dialect="hlo"))
+    return Preflight(inputs, lowered.as_text(dialect="hlo", debug_info=True))

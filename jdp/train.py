@@ -63,6 +63,15 @@ def _log_compiled(compiled) -> int | None:
             + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
 
 
+def _model_flops_per_example(experiment: Experiment, config, parts: Parts) -> float | None:
+    """The experiment's own count (`flops_per_example`), else 3 x XLA's count of one
+    example's forward pass (forward + backward; remat recomputation is not counted)."""
+    if experiment.flops_per_example is not None:
+        return float(experiment.flops_per_example(config))
+    forward = modeling.forward_flops(parts.model, parts.sample_inputs())
+    return None if forward is None else 3 * forward
+
+
 def _writers(config, workdir: str, is_writer: bool, start_step: int) -> metrics_lib.Writer:
     """metrics.jsonl and (unless turned off) TensorBoard event files; process 0 only."""
     writers = [metrics_lib.JsonlWriter(os.path.join(workdir, "metrics.jsonl"),
@@ -211,10 +220,9 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, parts: Part
     nonfinite = _NonFiniteGuard(config, checkpointer)
     device = mesh.devices.flat[0]
     peak_flops = metrics_lib.peak_flops_per_s(device.device_kind)
-    model_flops_per_step = None  # per device, from the experiment's FLOPs per example
-    if experiment.flops_per_example is not None:
-        model_flops_per_step = (experiment.flops_per_example(config)
-                                * plan.global_batch_size / mesh.size)
+    model_flops_per_step = _model_flops_per_example(experiment, config, parts)
+    if model_flops_per_step is not None:
+        model_flops_per_step *= plan.global_batch_size / mesh.size  # per device
 
     def run_eval(step, state) -> dict:
         with clock.timed("eval"):

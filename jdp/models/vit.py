@@ -171,3 +171,21 @@ def vit(size: str, *, num_classes: int, patch_size: int, **kwargs: Any) -> ViT:
             f"{', '.join(VIT_SIZES)}"
         )
     return ViT(**{**VIT_SIZES[size], **kwargs}, num_classes=num_classes, patch_size=patch_size)
+
+
+def flops_per_example(model: ViT, *, image_size: int, channels: int) -> float:
+    """Model FLOPs of one training example (forward + backward = 3 x forward).
+
+    Forward: the patch embedding, per layer the q/k/v/out and MLP matmuls over all
+    tokens plus the attention scores and weighted values (tokens^2 x hidden each),
+    and the head, at 2 FLOPs per multiply-add. Norms, softmax and remat
+    recomputation are not model FLOPs.
+    """
+    patches = (image_size // model.patch_size) ** 2
+    tokens = patches + (1 if model.pool == "cls" else 0)
+    hidden = model.hidden_size
+    embedding = 2 * patches * model.patch_size**2 * channels * hidden
+    per_layer = (2 * tokens * (4 * hidden**2 + 2 * hidden * model.mlp_dim)
+                 + 2 * 2 * tokens**2 * hidden)
+    head = 2 * hidden * model.num_classes
+    return float(3 * (embedding + model.num_layers * per_layer + head))

@@ -88,6 +88,7 @@ class Collective:
     in_loop: bool
     operand_shapes: tuple[Shape, ...] | None = None
     name: str = ""
+    op_name: str = ""  # the JAX source scope from the metadata, e.g. '.../gradient_all_reduce/psum'
 
     @property
     def bytes(self) -> int:
@@ -243,8 +244,12 @@ def collectives(hlo_text: str) -> list[Collective]:
             found.append(Collective(
                 kind=match.group(1), computation=computation, shapes=shapes,
                 replica_groups=parse_replica_groups(rest), in_loop=computation in in_loops,
-                operand_shapes=_operand_shapes(rest, defined), name=name))
+                operand_shapes=_operand_shapes(rest, defined), name=name,
+                op_name=next(iter(_OP_NAME.findall(rest)), "")))
     return found
+
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 def all_reduces(hlo_text: str) -> list[AllReduce]:

@@ -48,6 +48,9 @@ def step_rng(rng: jax.Array, step: jax.Array, axis_name: str | None = DATA_AXIS)
     return key
 
 
+GRADIENT_ALL_REDUCE = "gradient_all_reduce"
+
+
 def device_gradients(
     model: Model,
     task: Task,
@@ -102,7 +105,8 @@ def device_gradients(
     # in one all-reduce (the sums stay float32 whatever the gradients travel in).
     # The sums travel as one float32 vector: one operand instead of two per metric.
     flat_sums, unflatten = jax.flatten_util.ravel_pytree(sums)
-    grads, flat_sums = jax.lax.psum((grads, flat_sums), axis_name)
+    with jax.named_scope(GRADIENT_ALL_REDUCE):  # found by this name in the HLO (the plan)
+        grads, flat_sums = jax.lax.psum((grads, flat_sums), axis_name)
     sums = unflatten(flat_sums)
     loss_weight = sums[task_lib.LOSS][1]
     grads = jax.tree.map(lambda g: task_lib.safe_divide(g.astype(jnp.float32), loss_weight),
