@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jdp.config import defaults
-from jdp.models import vit as vit_lib
+from jdp.models.vit import flops_per_example as vit_flops_per_example
 from jdp.models.vit import vit
 
 
@@ -79,5 +79,5 @@ def flops_per_example(config) -> float:
     image_size = config.data.image_size or {"digits": 8, "cifar10": 32}.get(config.data.name, 224)
     channels = 1 if config.data.name == "digits" else 3
     num_classes = config.data.num_classes or {"imagenet2012": 1000}.get(config.data.name, 10)
-    return vit_lib.flops_per_example(build_model(config, num_classes=num_classes),
-                                     image_size=image_size, channels=channels)
+    return vit_flops_per_example(build_model(config, num_classes=num_classes),
+                                 image_size=image_size, channels=channels)

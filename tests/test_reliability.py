@@ -1,0 +1,161 @@
+"""Never a broken state on disk, and no false alarms: a non-finite step is never saved
+and stops the run with one line (exit 3) unless the config allows skipping it; a save
+slower than the watchdog's timeout does not stop a healthy job."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from jdp import exit_codes
+from runs import REPO, checkpoint_arrays, main_env, read_metrics, run_main
+
+VIT = "experiments/vit.py"
+
+
+def _saved_steps(workdir):
+    directory = workdir / "checkpoints"
+    if not directory.exists():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def test_a_diverging_run_never_saves_a_non_finite_state(tmp_path):
+    workdir = tmp_path / "run"
+    proc = run_main(f"--config={VIT}", f"--workdir={workdir}", "--config.learning_rate=1e5",
+                    "--config.warmup_steps=0", "--config.total_steps=40",
+                    "--config.batch_size=64", "--config.log_every_steps=5",
+                    "--config.checkpoint.every_steps=5")
+    assert proc.returncode == exit_codes.NONFINITE, proc.stderr[-3000:]
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert "jdp: error:" in last_line and "not finite at step" in last_line
+    assert "Fix:" in last_line and "Traceback" not in proc.stderr
+    for step in _saved_steps(workdir):
+        state = checkpoint_arrays(workdir, step)
+        for leaf in [*jax_leaves(state["params"]), *jax_leaves(state["opt_state"])]:
+            assert np.isfinite(leaf).all(), f"checkpoint {step} holds a non-finite value"
+
+
+def jax_leaves(tree):
+    import jax
+
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+# 64 examples, batch 16: 4 steps an epoch, so the one poisoned example (index 5) is in
+# exactly one of the first 4 steps.
+POISONED_EXPERIMENT = '''
+    """digits-like random images, one of which is NaN."""
+    import flax.linen as nn
+    import numpy as np
+
+    from jdp.config import defaults
+    from jdp.data import Data
+
+
+    def get_config(arg=None):
+        config = defaults()
+        config.batch_size, config.total_steps, config.warmup_steps = 16, 4, 0
+        config.log_every_steps, config.eval_batch_size = 1, 16
+        config.checkpoint.every_steps = 2
+        return config
+
+
+    class Source:
+        def __init__(self, poison):
+            self.poison = poison
+
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, index):
+            image = np.random.default_rng(index).random(8).astype(np.float32)
+            if self.poison and index == 5:
+                image[0] = np.nan
+            return {"image": image, "label": np.int32(index % 2)}
+
+
+    def build_data(config):
+        return Data(Source(poison=True), Source(poison=False), num_classes=2)
+
+
+    class Model(nn.Module):
+        num_classes: int
+
+        @nn.compact
+        def __call__(self, x, train):
+            return nn.Dense(self.num_classes)(nn.relu(nn.Dense(16)(x)))
+
+
+    def build_model(config, *, num_classes):
+        return Model(num_classes)
+'''
+
+
+@pytest.fixture
+def poisoned(tmp_path):
+    path = tmp_path / "poisoned.py"
+    path.write_text(textwrap.dedent(POISONED_EXPERIMENT))
+    return path
+
+
+def test_one_poisoned_batch_stops_the_run_naming_its_step(poisoned, tmp_path):
+    workdir = tmp_path / "run"
+    proc = run_main(f"--config={poisoned}", f"--workdir={workdir}")
+    assert proc.returncode == exit_codes.NONFINITE, proc.stderr[-3000:]
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert "not finite at step" in last_line and "skip_nonfinite_steps" in last_line
+
+
+def test_skip_nonfinite_steps_drops_the_bad_update_counts_it_and_goes_on(poisoned, tmp_path):
+    workdir = tmp_path / "run"
+    proc = run_main(f"--config={poisoned}", f"--workdir={workdir}",
+                    "--config.skip_nonfinite_steps=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train = [r for r in read_metrics(workdir) if "train/loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    bad = [r["step"] for r in train if not np.isfinite(r["train/loss"])]
+    assert len(bad) == 1  # exactly the step that drew example 5
+    assert [r["train/skipped_steps"] for r in train] == [
+        float(r["step"] >= bad[0]) for r in train]
+    for step in _saved_steps(workdir):
+        assert all(np.isfinite(x).all()
+                   for x in jax_leaves(checkpoint_arrays(workdir, step)["params"]))
+
+
+SLOW_SAVE = """
+import sys, time
+sys.argv = sys.argv[:1] + sys.argv[2:]
+from jdp import checkpoint
+
+real_save = checkpoint.Checkpointer.save
+
+def slow_save(self, step, *args, **kwargs):
+    time.sleep(float(%r))  # slow storage: longer than the watchdog's timeout
+    return real_save(self, step, *args, **kwargs)
+
+checkpoint.Checkpointer.save = slow_save
+from jdp import main
+from absl import app
+app.run(main.main, flags_parser=main._parse_flags)
+"""
+
+
+def test_a_save_slower_than_the_watchdog_timeout_is_no_false_alarm(tmp_path):
+    workdir = tmp_path / "run"
+    script = tmp_path / "slow_save.py"
+    script.write_text(SLOW_SAVE % 6.0)
+    proc = subprocess.run(
+        [sys.executable, str(script), "-", f"--config={VIT}", f"--workdir={workdir}",
+         "--config.total_steps=8", "--config.warmup_steps=1", "--config.batch_size=64",
+         "--config.checkpoint.every_steps=4", "--config.watchdog_timeout_s=2",
+         "--config.log_every_steps=4"],
+        cwd=REPO, env={**main_env(), "PYTHONPATH": REPO}, capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gives up" not in proc.stderr  # the watchdog's report
+    assert _saved_steps(workdir) == [4, 8]
+    assert os.path.exists(workdir / "metrics.jsonl")
