@@ -48,7 +48,7 @@ def preflight(config, experiment: Experiment, parts: Parts, plan: BatchPlan, dev
     lowered = backend.lowered_train_step(state, batch)
     compiled = lowered.compile(backend.options.compiler_options)
     memory = compiled.memory_analysis()
-    device = mesh.devices.flat[0]
+    device = mesh.local_devices[0]
     if device_memory_bytes is None:
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None
         device_memory_bytes = (stats or {}).get("bytes_limit")

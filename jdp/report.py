@@ -34,7 +34,8 @@ Record = dict[str, float]  # one step's values, "step" included
 _SYSTEM_METRICS = frozenset({
     "loss", "learning_rate", "grad_norm", "param_norm", "update_norm", "examples_per_s",
     "examples_per_s_per_device", "step_time_s", "data_wait_fraction",
-    "tflops_per_s_per_device", "mfu", "num_examples"})
+    "tflops_per_s_per_device", "model_tflops_per_s_per_device", "mfu", "skipped_steps",
+    "num_examples"})
 _FIGSIZE = (6, 3.5)
 _DPI = 100
 

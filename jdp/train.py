@@ -218,7 +218,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, parts: Part
                                       os.path.join(workdir, "profile",
                                                    f"process_{jax.process_index()}"))
     nonfinite = _NonFiniteGuard(config, checkpointer)
-    device = mesh.devices.flat[0]
+    device = mesh.local_devices[0]  # memory_stats() is only for this process's devices
     peak_flops = metrics_lib.peak_flops_per_s(device.device_kind)
     model_flops_per_step = _model_flops_per_example(experiment, config, parts)
     if model_flops_per_step is not None:
