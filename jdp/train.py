@@ -259,6 +259,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, parts: Part
     window = None  # device sums of the per-step metrics since the last log step
     window_steps = 0
     pending = None  # (step, steps, window) of a log step, read after the next dispatch
+    previous_metrics = None  # the step before the one just dispatched
     flops_per_step = compiled_bytes = None
     try:
         if start_step < total_steps:
@@ -289,6 +290,12 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, parts: Part
             window = metrics if window is None else metrics_lib.add_to_window(window, metrics)
             window_steps += 1
             done = step + 1
+            # At most one step in flight behind this one: the device always has the next
+            # step queued, and the host never races so far ahead that a dispatch blocks
+            # inside the runtime (holding the GIL, which would silence the watchdog).
+            if previous_metrics is not None:
+                jax.block_until_ready(previous_metrics)
+            previous_metrics = metrics
             heartbeat(done)
             profiler.after(done, metrics)
             if pending is not None:
