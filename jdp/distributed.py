@@ -24,10 +24,8 @@ import time
 from collections.abc import Mapping
 
 import jax
-from jax._src import clusters
-from jax._src import distributed as jax_distributed
 
-from jdp import watchdog
+from jdp import jax_private, watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +142,7 @@ def _complete(
     return Launch(source, coordinator_address, num_processes, process_id)
 
 
-def _detect_cluster() -> type[clusters.ClusterEnv] | None:
+def _detect_cluster() -> type[jax_private.ClusterEnv] | None:
     """The cluster environment a bare `jax.distributed.initialize()` would use, if any.
 
     The same choice as jax's `ClusterEnv.auto_detect_unset_distributed_params`:
@@ -155,7 +153,7 @@ def _detect_cluster() -> type[clusters.ClusterEnv] | None:
     return next(
         (
             env
-            for env in clusters.ClusterEnv._cluster_types
+            for env in jax_private.cluster_types()
             if not env.opt_in_only_method and env.is_env_present()
         ),
         None,
@@ -206,7 +204,7 @@ def initialize(
         )
     finally:
         give_up.cancel()
-    state = jax_distributed.global_state
+    state = jax_private.distributed_state()
     logger.info(
         "Joined the job as process %d of %d via coordinator %s (%s).",
         state.process_id,
@@ -224,7 +222,7 @@ def initialize(
 
 def _join_failure(launch: Launch, timeout_s: float) -> str:
     """The message for a job not joined in time, from what jax had resolved so far."""
-    state = jax_distributed.global_state
+    state = jax_private.distributed_state()
     if state.coordinator_address is None:
         return (
             f"jdp: jax could not read the distributed settings from {launch.source} "
@@ -254,7 +252,7 @@ def check_same_across_processes(values: dict[str, str], *, timeout_s: float = 60
     so the cost stays small with many processes. Raises TimeoutError when not
     every process arrives within `timeout_s`. No-op for a single process.
     """
-    state = jax_distributed.global_state
+    state = jax_private.distributed_state()
     if state.client is None or state.num_processes == 1:
         return
     client, me = state.client, state.process_id

@@ -76,6 +76,7 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
         {"config": config_json, "jdp": jdp.__version__, "jax": jax.__version__})
     _check_resumable(workdir, json.loads(config_json))
     parts = experiment_lib.build(experiment, config)  # data, task and model, checked
+    _check_keep_best(config.checkpoint.keep_best, parts.metric_names)
     if dry_run:
         from jdp import plan as plan_lib
         from jdp import preflight
@@ -104,12 +105,31 @@ def _check_resumable(workdir: str, config: dict) -> None:
     if not (os.path.isdir(checkpoints) and os.path.exists(saved_path)):
         return
     with open(saved_path) as f:
-        differences = config_lib.resume_differences(json.load(f), config)
+        saved = json.load(f)
+    differences = config_lib.resume_differences(saved, config)
+    if saved.get("total_steps") not in (None, config["total_steps"]):
+        # Allowed (to extend a run), but the schedule's decay is laid over the new
+        # length, so the learning rate jumps at the resumed step.
+        logging.warning(
+            "resuming with total_steps %s instead of %s: the warmup-cosine learning-rate "
+            "schedule now decays to 0 at step %s, so the rate at the resumed step differs "
+            "from the one the saved run would have used", config["total_steps"],
+            saved["total_steps"], config["total_steps"])
     if differences:
         raise ConfigError(
             f"--workdir={workdir!r} holds checkpoints of a run with another config "
             f"({'; '.join(differences)}). Fix: use a new --workdir, or pass the same values "
             "to resume it.")
+
+
+def _check_keep_best(keep_best: str, metric_names: tuple[str, ...]) -> None:
+    """checkpoint.keep_best must name a metric evaluation reports (else the first save
+    after an evaluation would fail, possibly days into the run)."""
+    reported = ["eval/loss", *(f"eval/{name}" for name in metric_names), "eval/num_examples"]
+    if keep_best and keep_best not in reported:
+        raise ConfigError(
+            f"config.checkpoint.keep_best={keep_best!r}: evaluation reports no such metric. "
+            f"Fix: use one of {', '.join(map(repr, reported))}.")
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

@@ -29,9 +29,7 @@ import time
 from collections.abc import Callable
 from typing import NoReturn, Protocol
 
-from jax._src import distributed as jax_distributed
-
-from jdp import exit_codes
+from jdp import exit_codes, jax_private
 
 # os.EX_TEMPFAIL: the job failed because a process or the coordinator went
 # missing or stuck; restarting (from the last checkpoint) may succeed.
@@ -110,7 +108,7 @@ class Watchdog:
     ):
         if timeout_s <= 0:
             raise ValueError(f"Watchdog timeout_s must be positive, got {timeout_s}.")
-        state = jax_distributed.global_state  # the job as jax.distributed set it up
+        state = jax_private.distributed_state()  # the job as jax.distributed set it up
         self.timeout_s = timeout_s
         self._clock = clock
         self._on_timeout = on_timeout or exit_now

@@ -16,6 +16,8 @@ BAD_INPUTS = {
     "unprepared_dataset": (["--config.data.name=mnist2"],
                            ["config.data.name='mnist2'", "not prepared", "tfds build mnist2"]),
     "unknown_flag": (["--dry_runn"], ["unknown flag --dry_runn", "--workdir", "--config.KEY"]),
+    "keep_best_unknown_metric": (["--config.checkpoint.keep_best=eval/acc"],
+                                 ["config.checkpoint.keep_best='eval/acc'", "'eval/accuracy'"]),
     "absent_feature_key": (["--config.data.image_key=img"],
                            ["config.data.image_key='img'", "no such feature", "'image'"]),
     "unknown_model_size": (["--config.model.size=huge"], ["model.size='huge'", "nano"]),

@@ -1,0 +1,34 @@
+"""jdp reaches into jax._src in one module only, so a jax that moves those internals
+breaks one place, with a message that says what to do."""
+
+import ast
+import pathlib
+
+import jdp
+
+PACKAGE = pathlib.Path(jdp.__file__).parent
+
+
+def _private_imports(path: pathlib.Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jax._src"):
+            found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if alias.name.startswith("jax._src")]
+    return found
+
+
+def test_only_jax_private_imports_jax_src():
+    offenders = {str(path.relative_to(PACKAGE)): _private_imports(path)
+                 for path in PACKAGE.rglob("*.py") if path.name != "jax_private.py"}
+    assert {path: mods for path, mods in offenders.items() if mods} == {}
+    assert _private_imports(PACKAGE / "jax_private.py")  # the one place, so the test bites
+
+
+def test_the_private_pieces_jdp_needs_are_there():
+    from jdp import jax_private
+
+    assert jax_private.cluster_types()
+    state = jax_private.distributed_state()
+    assert hasattr(state, "client") and hasattr(state, "process_id")
