@@ -30,6 +30,14 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used: missing, damaged, or not matching the model."""
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint whose files cannot be read (torn, truncated, bit rot)."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save that failed (disk full, permissions); the previous checkpoint is intact."""
+
+
 class Checkpointer:
     """Saves and restores the train state of one run; every process makes the same calls.
 
@@ -90,6 +98,11 @@ class Checkpointer:
     def directory(self) -> epath.Path:
         return self._manager.directory
 
+    def steps(self) -> list[int]:
+        """The complete checkpoints' steps, newest first."""
+        self.wait()
+        return sorted(self._manager.all_steps(), reverse=True)
+
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, None if there is none.
 
@@ -127,9 +140,12 @@ class Checkpointer:
             metrics = {name: float(value) for name, value in metrics.items()}  # JSON-able
         # force=True: the decision above is ours, the same on every process without I/O
         # (Orbax's own policy would also save the first step of every run).
-        return self._manager.save(
-            step, args=ocp.args.StandardSave(state), metrics=metrics, force=True
-        )
+        try:
+            return self._manager.save(
+                step, args=ocp.args.StandardSave(state), metrics=metrics, force=True
+            )
+        except Exception as error:  # the previous save's failure surfaces here too
+            raise self._save_failed(step, error) from error
 
     def restore(self, step: int, abstract_state: PyTree) -> PyTree:
         """The state saved at `step`, placed with the shardings in `abstract_state`.
@@ -160,7 +176,20 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Blocks until the save in flight is committed; raises if it failed."""
-        self._manager.wait_until_finished()
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:
+            raise self._save_failed(None, error) from error
+
+    def _save_failed(self, step: int | None, error: Exception) -> CheckpointSaveError:
+        reason = (str(error).strip().splitlines() or [""])[0][:300]
+        # Orbax deletes old steps only after a new one is committed: none was.
+        kept = sorted(self._manager.all_steps())
+        which = f"step {step}" if step is not None else "a checkpoint"
+        return CheckpointSaveError(
+            f"saving {which} into {self.directory} failed ({type(error).__name__}: {reason}). "
+            f"The checkpoints already there are intact (steps {kept or 'none'}). Fix: free "
+            "space or fix the permissions of that directory, then rerun to resume.")
 
     def close(self) -> None:
         self._manager.close()
@@ -282,7 +311,7 @@ def _unreadable(item_dir: epath.Path, error: Exception) -> CheckpointError:
     reason = (str(error).strip().splitlines() or [""])[0][:300]
     step_dir = item_dir.parent
     # Moving aside, not deleting: the reason may be ours (a sharding), not the files'.
-    return CheckpointError(
+    return DamagedCheckpointError(
         f"Checkpoint {item_dir} cannot be read ({type(error).__name__}: {reason}). If it is "
         f"damaged, move {step_dir} aside (e.g. to {step_dir}.damaged) to fall back to the "
         "previous checkpoint, or use another one."

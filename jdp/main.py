@@ -20,7 +20,7 @@ import jdp
 from jdp import config as config_lib
 from jdp import distributed, exit_codes, train
 from jdp import experiment as experiment_lib
-from jdp.checkpoint import CheckpointError
+from jdp.checkpoint import CheckpointError, CheckpointSaveError
 from jdp.errors import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -168,6 +168,8 @@ def main(argv) -> None:
     try:
         result = run(_CONFIG.value, config_path, _WORKDIR.value, dry_run=_DRY_RUN.value,
                      device_memory_gib=_DEVICE_MEMORY.value, step_time_s=_STEP_TIME.value)
+    except CheckpointSaveError as e:
+        _fail(str(e), exit_codes.FAILED)
     except (ConfigError, UsageError, CheckpointError, distributed.MismatchError) as e:
         _fail(str(e))
     except train.NonFiniteError as e:

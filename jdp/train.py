@@ -16,11 +16,11 @@ import time
 import jax
 from absl import logging
 
+from jdp import distributed, modeling, optim, profiling
 from jdp import mesh as mesh_lib
 from jdp import metrics as metrics_lib
-from jdp import modeling, optim, profiling
 from jdp import task as task_lib
-from jdp.checkpoint import Checkpointer, load_params
+from jdp.checkpoint import Checkpointer, DamagedCheckpointError, load_params
 from jdp.config import BatchPlan
 from jdp.data import pipeline
 from jdp.experiment import Experiment, Parts
@@ -138,10 +138,23 @@ def _initial_state(backend: Backend, checkpointer: Checkpointer, rng, sample_inp
                    init_from: str):
     """The order matters: 1. resume this run's newest complete checkpoint, 2. else
     start fresh, with params from `init_from` when fine-tuning."""
-    latest = checkpointer.latest_step()
-    if latest is not None:
-        logging.info("resuming from %s/%d", checkpointer.directory, latest)
-        return checkpointer.restore(latest, backend.abstract_state(rng, sample_inputs))
+    steps = checkpointer.steps()
+    for step in steps:
+        try:
+            state = checkpointer.restore(step, backend.abstract_state(rng, sample_inputs))
+        except DamagedCheckpointError as error:
+            # Left where it is: the damage may be transient (storage), or worth a look.
+            logging.warning("skipping checkpoint step %d, which cannot be read; falling back "
+                            "to an older one. %s", step, error)
+            continue
+        # Processes that disagree on the step would train on different states.
+        distributed.check_same_across_processes({"resumed_step": str(step)})
+        logging.info("resuming from %s/%d", checkpointer.directory, step)
+        return state
+    if steps:
+        raise DamagedCheckpointError(
+            f"none of the checkpoints in {checkpointer.directory} (steps {steps}) can be read; "
+            "see the warnings above. Fix: restore them from a backup, or start a new --workdir.")
     state = backend.init_global(rng, sample_inputs)
     if init_from:
         # A run's workdir stands for its newest checkpoint.

@@ -159,3 +159,65 @@ def test_a_save_slower_than_the_watchdog_timeout_is_no_false_alarm(tmp_path):
     assert "gives up" not in proc.stderr  # the watchdog's report
     assert _saved_steps(workdir) == [4, 8]
     assert os.path.exists(workdir / "metrics.jsonl")
+
+
+STORAGE_RUN = ("--config.batch_size=64", "--config.warmup_steps=1", "--config.log_every_steps=4",
+               "--config.eval_every_steps=0", "--config.checkpoint.every_steps=4")
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    workdir = tmp_path / "run"
+    first = run_main(f"--config={VIT}", f"--workdir={workdir}", *STORAGE_RUN,
+                     "--config.total_steps=12")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert _saved_steps(workdir) == [4, 8, 12]
+    files = [p for p in (workdir / "checkpoints" / "12").rglob("*") if p.is_file()]
+    largest = max(files, key=lambda p: p.stat().st_size)
+    with open(largest, "r+b") as f:  # a torn write: the file ends half-way
+        f.truncate(largest.stat().st_size // 2)
+    rerun = run_main(f"--config={VIT}", f"--workdir={workdir}", *STORAGE_RUN,
+                     "--config.total_steps=16")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "skipping checkpoint step 12" in rerun.stderr
+    assert "resuming from" in rerun.stderr and "/checkpoints/8" in rerun.stderr
+    assert (workdir / "checkpoints" / "12").exists()  # skipped, never deleted by jdp
+    train_steps = [r["step"] for r in read_metrics(workdir) if "train/loss" in r]
+    assert train_steps == [4, 8, 12, 16]  # 12 again, after resuming at 8; each once
+
+
+FAILING_SAVE = """
+import errno, sys
+sys.argv = sys.argv[:1] + sys.argv[2:]
+import orbax.checkpoint as ocp
+
+real_save = ocp.CheckpointManager.save
+
+def save(self, step, *args, **kwargs):
+    if step >= 8:  # the disk fills up after the first checkpoint
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.directory))
+    return real_save(self, step, *args, **kwargs)
+
+ocp.CheckpointManager.save = save
+from absl import app
+from jdp import main
+app.run(main.main, flags_parser=main._parse_flags)
+"""
+
+
+def test_a_failing_save_stops_loudly_and_the_previous_checkpoint_still_restores(tmp_path):
+    workdir = tmp_path / "run"
+    script = tmp_path / "failing_save.py"
+    script.write_text(FAILING_SAVE)
+    proc = subprocess.run(
+        [sys.executable, str(script), "-", f"--config={VIT}", f"--workdir={workdir}",
+         *STORAGE_RUN, "--config.total_steps=12"],
+        cwd=REPO, env={**main_env(), "PYTHONPATH": REPO}, capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == exit_codes.FAILED, proc.stderr[-3000:]
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert "saving step 8" in last_line and str(workdir / "checkpoints") in last_line
+    assert "No space left" in last_line and "steps [4]" in last_line
+    assert "Traceback" not in proc.stderr
+    assert _saved_steps(workdir) == [4]
+    state = checkpoint_arrays(workdir, 4)
+    assert int(state["step"]) == 4
