@@ -247,16 +247,19 @@ def format_duration(seconds: float) -> str:
 
 def log_train(step: int, total_steps: int, metrics: dict[str, float], eta: float) -> None:
     mfu = f"  MFU {100 * metrics['train/mfu']:.1f}%" if "train/mfu" in metrics else ""
-    compile_s = f"  (compile {metrics['time/compile_s']:.1f} s)" \
-        if "time/compile_s" in metrics else ""
+    extras = "".join(f"  {label} {metrics[key]:.1f} s" for key, label in (
+        ("time/eval_s", "eval"), ("time/checkpoint_s", "saving"), ("time/compile_s", "compile"))
+        if metrics.get(key))
+    rss = f"  RSS {metrics['memory/host_rss_mib']:.0f} MiB" \
+        if "memory/host_rss_mib" in metrics else ""
     logging.info(
         "step %d/%d (%.0f%%)  loss %.4f  lr %.3g  |g| %.3g  %.0f examples/s  %.1f ms/step  "
-        "input wait %.0f%%%s  ETA %s%s",
+        "input wait %.0f%%%s%s%s  ETA %s",
         step, total_steps, 100.0 * step / total_steps, metrics["train/loss"],
         metrics.get("train/learning_rate", float("nan")),
         metrics.get("train/grad_norm", float("nan")), metrics["train/examples_per_s"],
         1000 * metrics["train/step_time_s"], 100 * metrics["train/data_wait_fraction"], mfu,
-        format_duration(eta), compile_s)
+        extras, rss, format_duration(eta))
 
 
 def log_eval(step: int, metrics: dict[str, float]) -> None:
