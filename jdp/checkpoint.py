@@ -183,8 +183,10 @@ class Checkpointer:
 
     def _save_failed(self, step: int | None, error: Exception) -> CheckpointSaveError:
         reason = (str(error).strip().splitlines() or [""])[0][:300]
-        # Orbax deletes old steps only after a new one is committed: none was.
-        kept = sorted(self._manager.all_steps())
+        # Orbax deletes old steps only after a new one is committed: none was. Read off
+        # the disk: after a failure the manager's own list may be incomplete.
+        kept = sorted(int(path.name) for path in self.directory.iterdir()
+                      if path.name.isdigit())
         which = f"step {step}" if step is not None else "a checkpoint"
         return CheckpointSaveError(
             f"saving {which} into {self.directory} failed ({type(error).__name__}: {reason}). "

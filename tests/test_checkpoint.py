@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from orbax.checkpoint._src.path import atomicity
 
-from jdp.checkpoint import Checkpointer, CheckpointError, load_params
+from jdp.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError, load_params
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -300,7 +300,7 @@ def test_failed_save_deletes_nothing_and_does_not_count(open_checkpointer, ckpt_
 
     monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", disk_full)
     checkpointer.save(2, state)  # max_to_keep=1 makes step 1 due for deletion
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(CheckpointSaveError, match=r"No space left.*intact \(steps \[1\]\)"):
         checkpointer.wait()
     monkeypatch.undo()
     checkpointer.close()

@@ -186,14 +186,20 @@ RESTARTED = ("--config.total_steps=12", "--config.warmup_steps=1", "--config.log
              "--config.checkpoint.every_steps=4", "--config.watchdog_timeout_s=5")
 
 
-def test_a_killed_process_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path):
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """An uninterrupted 2 x 4 run with checkpoints at steps 4, 8 and 12."""
+    workdir = tmp_path_factory.mktemp("two_processes")
+    proc = launch_local(workdir, 4, settings=RESTARTED)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir
+
+
+def test_a_killed_process_is_restarted_and_the_run_ends_as_if_uninterrupted(two_processes,
+                                                                             tmp_path):
     """kill -9 of one of 2 processes under launch/local.py --max_restarts=2: the job
     restarts from its newest checkpoint by itself and ends bitwise where an
     uninterrupted 2-process run ends, each step logged once."""
-    reference = tmp_path / "reference"
-    proc = launch_local(reference, 4, settings=RESTARTED)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
     workdir = tmp_path / "killed"
     launcher = subprocess.Popen(
         [sys.executable, "launch/local.py", "--num_processes=2", "--devices_per_process=4",
@@ -215,23 +221,20 @@ def test_a_killed_process_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_
     assert "restart 1 of 2" in stderr
     train_steps = [r["step"] for r in read_metrics(workdir) if "train/loss" in r]
     assert train_steps == list(range(1, 13))  # each step once, none lost
-    expected = checkpoint_arrays(reference, 12)
+    expected = checkpoint_arrays(two_processes, 12)
     got = checkpoint_arrays(workdir, 12)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_two_process_run_resumes_on_one_process_of_four_devices(tmp_path):
+def test_a_two_process_run_resumes_on_one_process_of_four_devices(two_processes, tmp_path):
     """Elastic shrink: a host lost, the job restarted smaller continues the same
     example stream with the same global batch."""
-    reference = tmp_path / "two"
-    proc = launch_local(reference, 4, "--config.checkpoint.every_steps=4")
-    assert proc.returncode == 0, proc.stderr[-3000:]
     workdir = tmp_path / "one"
-    shutil.copytree(reference / "checkpoints" / "4", workdir / "checkpoints" / "4")
-    shutil.copy(reference / "config.json", workdir / "config.json")
-    _, records = train(VIT, workdir, *TRAIN, "--config.checkpoint.every_steps=4",
-                       devices=jax.devices()[:4])
-    got, expected = losses(records), losses(read_metrics(reference))
-    assert sorted(got) == [6, 8]
-    np.testing.assert_allclose([got[6], got[8]], [expected[6], expected[8]], rtol=1e-5)
+    shutil.copytree(two_processes / "checkpoints" / "4", workdir / "checkpoints" / "4")
+    shutil.copy(two_processes / "config.json", workdir / "config.json")
+    _, records = train(VIT, workdir, *RESTARTED, devices=jax.devices()[:4])
+    got, expected = losses(records), losses(read_metrics(two_processes))
+    assert sorted(got) == list(range(5, 13))
+    np.testing.assert_allclose([got[s] for s in sorted(got)],
+                               [expected[s] for s in sorted(got)], rtol=1e-5)

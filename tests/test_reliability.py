@@ -126,35 +126,41 @@ def test_skip_nonfinite_steps_drops_the_bad_update_counts_it_and_goes_on(poisone
                    for x in jax_leaves(checkpoint_arrays(workdir, step)["params"]))
 
 
+def run_patched_main(tmp_path, patch: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m jdp.main ARGS` as a user runs it, with a fault injected by `patch`
+    (Python source run before jdp.main is imported)."""
+    script = tmp_path / "patched_main.py"
+    script.write_text(textwrap.dedent(patch) + textwrap.dedent("""
+        from absl import app
+        from jdp import main
+        app.run(main.main, flags_parser=main._parse_flags)
+        """))
+    return subprocess.run([sys.executable, str(script), *args], cwd=REPO,
+                          env={**main_env(), "PYTHONPATH": REPO}, capture_output=True,
+                          text=True, timeout=300)
+
+
 SLOW_SAVE = """
-import sys, time
-sys.argv = sys.argv[:1] + sys.argv[2:]
-from jdp import checkpoint
+    import time
+    from jdp import checkpoint
 
-real_save = checkpoint.Checkpointer.save
+    real_save = checkpoint.Checkpointer.save
 
-def slow_save(self, step, *args, **kwargs):
-    time.sleep(float(%r))  # slow storage: longer than the watchdog's timeout
-    return real_save(self, step, *args, **kwargs)
+    def slow_save(self, step, *args, **kwargs):
+        time.sleep(6.0)  # slow storage: longer than the watchdog's timeout
+        return real_save(self, step, *args, **kwargs)
 
-checkpoint.Checkpointer.save = slow_save
-from jdp import main
-from absl import app
-app.run(main.main, flags_parser=main._parse_flags)
+    checkpoint.Checkpointer.save = slow_save
 """
 
 
 def test_a_save_slower_than_the_watchdog_timeout_is_no_false_alarm(tmp_path):
     workdir = tmp_path / "run"
-    script = tmp_path / "slow_save.py"
-    script.write_text(SLOW_SAVE % 6.0)
-    proc = subprocess.run(
-        [sys.executable, str(script), "-", f"--config={VIT}", f"--workdir={workdir}",
-         "--config.total_steps=8", "--config.warmup_steps=1", "--config.batch_size=64",
-         "--config.checkpoint.every_steps=4", "--config.watchdog_timeout_s=2",
-         "--config.log_every_steps=4"],
-        cwd=REPO, env={**main_env(), "PYTHONPATH": REPO}, capture_output=True, text=True,
-        timeout=300)
+    proc = run_patched_main(
+        tmp_path, SLOW_SAVE, f"--config={VIT}", f"--workdir={workdir}",
+        "--config.total_steps=8", "--config.warmup_steps=1", "--config.batch_size=64",
+        "--config.checkpoint.every_steps=4", "--config.watchdog_timeout_s=2",
+        "--config.log_every_steps=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "gives up" not in proc.stderr  # the watchdog's report
     assert _saved_steps(workdir) == [4, 8]
@@ -186,33 +192,24 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
 
 
 FAILING_SAVE = """
-import errno, sys
-sys.argv = sys.argv[:1] + sys.argv[2:]
-import orbax.checkpoint as ocp
+    import errno
+    import orbax.checkpoint as ocp
 
-real_save = ocp.CheckpointManager.save
+    real_save = ocp.CheckpointManager.save
 
-def save(self, step, *args, **kwargs):
-    if step >= 8:  # the disk fills up after the first checkpoint
-        raise OSError(errno.ENOSPC, "No space left on device", str(self.directory))
-    return real_save(self, step, *args, **kwargs)
+    def save(self, step, *args, **kwargs):
+        if step >= 8:  # the disk fills up after the first checkpoint
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.directory))
+        return real_save(self, step, *args, **kwargs)
 
-ocp.CheckpointManager.save = save
-from absl import app
-from jdp import main
-app.run(main.main, flags_parser=main._parse_flags)
+    ocp.CheckpointManager.save = save
 """
 
 
 def test_a_failing_save_stops_loudly_and_the_previous_checkpoint_still_restores(tmp_path):
     workdir = tmp_path / "run"
-    script = tmp_path / "failing_save.py"
-    script.write_text(FAILING_SAVE)
-    proc = subprocess.run(
-        [sys.executable, str(script), "-", f"--config={VIT}", f"--workdir={workdir}",
-         *STORAGE_RUN, "--config.total_steps=12"],
-        cwd=REPO, env={**main_env(), "PYTHONPATH": REPO}, capture_output=True, text=True,
-        timeout=300)
+    proc = run_patched_main(tmp_path, FAILING_SAVE, f"--config={VIT}", f"--workdir={workdir}",
+                            *STORAGE_RUN, "--config.total_steps=12")
     assert proc.returncode == exit_codes.FAILED, proc.stderr[-3000:]
     last_line = proc.stderr.strip().splitlines()[-1]
     assert "saving step 8" in last_line and str(workdir / "checkpoints") in last_line
