@@ -183,10 +183,11 @@ class Checkpointer:
 
     def _save_failed(self, step: int | None, error: Exception) -> CheckpointSaveError:
         reason = (str(error).strip().splitlines() or [""])[0][:300]
-        # Orbax deletes old steps only after a new one is committed: none was. Read off
-        # the disk: after a failure the manager's own list may be incomplete.
-        kept = sorted(int(path.name) for path in self.directory.iterdir()
-                      if path.name.isdigit())
+        # Orbax deletes old steps only after a new one is committed: none was. After a
+        # failure the manager's list may miss committed steps, and the disk may not yet
+        # show one whose commit is still in flight: both count.
+        on_disk = {int(path.name) for path in self.directory.iterdir() if path.name.isdigit()}
+        kept = sorted(on_disk | set(self._manager.all_steps()))
         which = f"step {step}" if step is not None else "a checkpoint"
         return CheckpointSaveError(
             f"saving {which} into {self.directory} failed ({type(error).__name__}: {reason}). "
