@@ -147,7 +147,8 @@ SLOW_SAVE = """
     real_save = checkpoint.Checkpointer.save
 
     def slow_save(self, step, *args, **kwargs):
-        time.sleep(6.0)  # slow storage: longer than the watchdog's timeout
+        if step == 4:
+            time.sleep(5.0)  # slow storage: longer than the watchdog's timeout
         return real_save(self, step, *args, **kwargs)
 
     checkpoint.Checkpointer.save = slow_save
