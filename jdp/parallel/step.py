@@ -94,9 +94,10 @@ def device_gradients(
             return (grads_sum, state, jax.tree.map(jnp.add, sums_total, sums)), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        # The sums' structure, from tracing the forward pass alone (no gradient).
         zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
-            lambda: grad_fn(params, model_state, jax.tree.map(lambda x: x[0], micro_batches),
-                            rng)[0][1][1]))
+            loss_fn, params, model_state, jax.tree.map(lambda x: x[0], micro_batches),
+            rng)[1][1])
         (grads, model_state, sums), _ = jax.lax.scan(
             accumulate, (zeros, model_state, zero_sums), (micro_batches, jnp.arange(accum_steps)))
 
