@@ -1,20 +1,12 @@
-"""Benchmarks: programs that print figures, compared as ratios within one run.
+"""The train step's speed: jdp against a minimal hand-written loop, and scaling over devices.
 
     python -m jdp.bench overhead     # jdp's train step vs a minimal hand-written jax.jit step
     python -m jdp.bench scaling      # examples/s of the same model at 1, 2, 4, 8 devices
-    python -m jdp.bench checkpoint   # how long a save stalls training: async vs synchronous
-
-Each prints one line per measurement and a summary; `--model`, `--batch_size`,
-`--steps` and `--repeats` size them. On a CPU machine, simulate devices with
-XLA_FLAGS=--xla_force_host_platform_device_count=8.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import tempfile
 import time
 
 import jax
@@ -22,17 +14,17 @@ import numpy as np
 import optax
 
 from jdp import modeling
-from jdp.checkpoint import Checkpointer
 from jdp.mesh import batch_sharding, make_mesh, replicated
 from jdp.models import vit
 from jdp.parallel import StepOptions, make_backend
+from jdp.task import classification
 
 
-def _model(size: str) -> modeling.Model:
+def vit_model(size: str) -> modeling.Model:
     return modeling.from_linen(vit(size, num_classes=10, patch_size=4, pool="gap"))
 
 
-def _batch(global_batch_size: int, image_size: int = 32) -> dict[str, np.ndarray]:
+def random_batch(global_batch_size: int, image_size: int = 32) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     return {"image": rng.normal(size=(global_batch_size, image_size, image_size, 3))
             .astype(np.float32),
@@ -51,9 +43,10 @@ def _time_steps(step, state, batch, steps: int) -> tuple[float, object]:
 
 
 def _jdp_step(model, tx, devices, batch_np, backend="pjit"):
-    backend_ = make_backend(backend, make_mesh(devices=devices), model, tx, StepOptions())
+    backend_ = make_backend(backend, make_mesh(devices=devices), model, classification(), tx,
+                            StepOptions())
     state = backend_.from_global(backend_.init_global(jax.random.key(0),
-                                                      batch_np["image"][:1]))
+                                                      (batch_np["image"][:1],)))
     batch = backend_.put_batch(batch_np)
     return backend_.compiled_train_step(state, batch), state, batch
 
@@ -62,12 +55,12 @@ def _minimal_step(model, tx, devices, batch_np):
     """What a user would write by hand: one jit, GSPMD inserts the reduction."""
     mesh = make_mesh(devices=devices)
     params, model_state = jax.jit(model.init, out_shardings=replicated(mesh))(
-        jax.random.key(0), batch_np["image"][:1])
+        jax.random.key(0), (batch_np["image"][:1],))
     opt_state = jax.jit(tx.init, out_shardings=replicated(mesh))(params)
     batch = jax.device_put(batch_np, batch_sharding(mesh))
 
     def loss_fn(p, images, labels):
-        logits, _ = model.apply(p, model_state, images, True, jax.random.key(0))
+        logits, _ = model.apply(p, model_state, (images,), True, jax.random.key(0))
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
     @jax.jit
@@ -81,8 +74,8 @@ def _minimal_step(model, tx, devices, batch_np):
 
 
 def overhead(args) -> None:
-    model, tx = _model(args.model), optax.adamw(1e-3)
-    batch_np = _batch(args.batch_size)
+    model, tx = vit_model(args.model), optax.adamw(1e-3)
+    batch_np = random_batch(args.batch_size)
     devices = jax.devices()
     steps = {"jdp": _jdp_step(model, tx, devices, batch_np),
              "minimal": _minimal_step(model, tx, devices, batch_np)}
@@ -101,8 +94,8 @@ def overhead(args) -> None:
 
 
 def scaling(args) -> None:
-    model, tx = _model(args.model), optax.adamw(1e-3)
-    batch_np = _batch(args.batch_size)
+    model, tx = vit_model(args.model), optax.adamw(1e-3)
+    batch_np = random_batch(args.batch_size)
     counts = [n for n in (1, 2, 4, 8, 16, 32) if n <= jax.device_count()]
     throughput = {}
     for count in counts:
@@ -119,44 +112,16 @@ def scaling(args) -> None:
         f"{n}: {throughput[n] / base:.2f}x" for n in counts))
 
 
-def checkpoint(args) -> None:
-    model, tx = _model(args.model), optax.adamw(1e-3)
-    backend = make_backend("pjit", make_mesh(), model, tx, StepOptions())
-    state = backend.init_global(jax.random.key(0), _batch(1)["image"])
-    size_mib = sum(x.nbytes for x in jax.tree.leaves(state)) / 2**20
-    stalls = {}
-    for mode in ("async", "sync"):
-        with tempfile.TemporaryDirectory() as directory:
-            checkpointer = Checkpointer(directory, every_steps=1, max_to_keep=2,
-                                        async_save=mode == "async")
-            stalls[mode] = []
-            for step in range(1, args.repeats + 1):
-                jax.block_until_ready(state)
-                start = time.perf_counter()
-                checkpointer.save(step, state)
-                stalls[mode].append(time.perf_counter() - start)  # the loop waits this long
-                checkpointer.wait()  # let the write finish before the next sample
-            checkpointer.close()
-        print(f"{mode:5s} save of {size_mib:.1f} MiB (ViT-{args.model} + AdamW): training "
-              f"stalls a median {1000 * statistics.median(stalls[mode]):.1f} ms "
-              f"over {args.repeats} saves")
-    ratio = statistics.median(stalls["async"]) / statistics.median(stalls["sync"])
-    print(f"checkpoint: async stall / synchronous stall = {ratio:.3f}")
+def add_arguments(parser, name: str) -> None:
+    add_model_arguments(parser)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m jdp.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("benchmark", choices=["overhead", "scaling", "checkpoint"])
+def run(args) -> None:
+    {"overhead": overhead, "scaling": scaling}[args.benchmark](args)
+
+
+def add_model_arguments(parser) -> None:
     parser.add_argument("--model", default="tiny", help="ViT size (nano, tiny, small, ...)")
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
-    print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, "
-          f"{os.cpu_count()} CPU cores")
-    {"overhead": overhead, "scaling": scaling, "checkpoint": checkpoint}[args.benchmark](args)
-
-
-if __name__ == "__main__":
-    main()

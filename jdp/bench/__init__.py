@@ -1,0 +1,11 @@
+"""Benchmarks: programs that print figures, compared as ratios within one run.
+
+    python -m jdp.bench overhead     # jdp's train step vs a minimal hand-written jax.jit step
+    python -m jdp.bench scaling      # examples/s of the same model at 1, 2, 4, 8 devices
+    python -m jdp.bench checkpoint   # how long a save stalls training: async vs synchronous
+
+Each subcommand lives in its own module of this package, which defines
+`add_arguments(parser)` and `run(args)`; it prints one line per measurement
+and its summary figure last. On a CPU machine, simulate devices with
+XLA_FLAGS=--xla_force_host_platform_device_count=8.
+"""

@@ -1,0 +1,39 @@
+"""`python -m jdp.bench <subcommand> [options]`: see jdp/bench/__init__.py."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+import jdp.bench
+
+# subcommand -> module of jdp.bench defining add_arguments(parser) and run(args).
+SUBCOMMANDS = {
+    "overhead": "steps",
+    "scaling": "steps",
+    "checkpoint": "checkpoint",
+}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m jdp.bench", description=jdp.bench.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="benchmark", required=True, metavar="benchmark")
+    modules = {}
+    for name, module_name in SUBCOMMANDS.items():
+        module = importlib.import_module(f"jdp.bench.{module_name}")
+        sub = commands.add_parser(name, help=(module.__doc__ or "").splitlines()[0])
+        module.add_arguments(sub, name)
+        modules[name] = module
+    args = parser.parse_args(argv)
+    import jax  # after parsing: --help stays fast
+
+    print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, "
+          f"{os.cpu_count()} CPU cores", flush=True)
+    modules[args.benchmark].run(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,35 @@
+"""Every `python -m jdp.bench` subcommand runs at a tiny size and prints its summary last.
+
+No timing is asserted (figures depend on the machine); the test proves that
+each benchmark still runs against the current jdp and prints its figure.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from jdp.bench.__main__ import SUBCOMMANDS, main
+
+# subcommand -> (tiny arguments, pattern of the summary line it prints last)
+TINY = {
+    "overhead": (["--model=nano", "--batch_size=16", "--steps=1", "--repeats=1"],
+                 r"^overhead: jdp step time / minimal jax.jit step time = \d+\.\d+$"),
+    "scaling": (["--model=nano", "--batch_size=16", "--steps=1", "--repeats=1"],
+                r"^scaling vs 1 device: 1: 1\.00x(, \d+: \d+\.\d+x)+$"),
+    "checkpoint": (["--model=nano", "--repeats=1"],
+                   r"^checkpoint: async stall / synchronous stall = \d+\.\d+$"),
+}
+
+
+def test_every_subcommand_has_a_smoke_test():
+    assert sorted(TINY) == sorted(SUBCOMMANDS)
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_subcommand_runs_and_prints_its_summary_last(name, capsys):
+    argv, summary = TINY[name]
+    main([name, *argv])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert re.match(summary, lines[-1]), lines[-5:]
