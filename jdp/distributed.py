@@ -30,12 +30,13 @@ from jdp import jax_private, watchdog
 logger = logging.getLogger(__name__)
 
 # The coordination service declares a process dead after this long without a
-# heartbeat, then aborts every process of the job. Heartbeats come from the
-# service client's own C++ thread, so a process busy compiling or blocked in a
-# collective still sends them. jax's default of 100 s leaves a job stuck that
-# long when a host dies and the Watchdog is off (or slower); 30 s is still far
-# above any pause of a live process.
-HEARTBEAT_TIMEOUT_S = 30
+# heartbeat, then aborts every process of the job (SIGABRT, thread dumps).
+# Heartbeats come from the service client's own C++ thread, so a process busy
+# compiling or blocked in a collective still sends them. jdp's Watchdog names a
+# silent process after watchdog.SILENCE_LIMIT_S, well before this, and exits with
+# a restartable status; this is the backstop when the Watchdog is off. jax's
+# default of 100 s would leave such a job stuck that long.
+HEARTBEAT_TIMEOUT_S = 60
 # How long a finishing process waits at the exit barrier for the others. When
 # it expires the service aborts *every* process, including one still
 # legitimately finishing (a final checkpoint), so this keeps jax's generous

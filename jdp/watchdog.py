@@ -14,6 +14,14 @@ progress, so `timeout_s` must exceed the longest gap between heartbeats in a
 healthy run: the slowest step, an evaluation pass without heartbeats, a
 compilation after the first step (compile the eval step ahead of time), and
 the difference in start-up (compile) time between processes.
+
+Silence is judged sooner than a stall: a process whose watchdog thread stops
+publishing (it died, or its host went away), or a coordinator that stops
+answering, is reported after `min(timeout_s, SILENCE_LIMIT_S)`, whatever
+`timeout_s` is. jax's coordination service declares such a process dead later
+(`distributed.HEARTBEAT_TIMEOUT_S`) and then aborts every survivor with
+SIGABRT and thread dumps; speaking first makes jdp's report, and its
+restartable exit status, what the user and the scheduler see.
 """
 
 from __future__ import annotations
@@ -36,6 +44,11 @@ from jdp import exit_codes, jax_private
 EXIT_CODE = exit_codes.PEER_LOST
 
 _KEY_DIR = "jdp/watchdog/"
+
+# A live process publishes every poll interval (at most 2 s), so 10 s of silence
+# is 5 missed records: it died or cannot reach the coordinator. Well below
+# distributed.HEARTBEAT_TIMEOUT_S, after which jax aborts every process itself.
+SILENCE_LIMIT_S = 10.0
 
 
 def exit_now(message: str, exit_code: int = EXIT_CODE) -> NoReturn:
@@ -92,7 +105,7 @@ class Watchdog:
       kv_store, process_index, process_count: the job; by default jax's
         coordination-service client and this process's place in the job.
       poll_interval_s: how often to publish, read the others and check;
-        by default a tenth of `timeout_s` (between 0.5 and 5 s).
+        by default a tenth of `timeout_s` (between 0.5 and 2 s).
     """
 
     def __init__(
@@ -122,7 +135,9 @@ class Watchdog:
                     "jax.distributed to be initialized first (jdp.distributed.initialize)."
                 )
         self._kv_store = kv_store
-        self.poll_interval_s = poll_interval_s or min(max(timeout_s / 10, 0.5), 5.0)
+        self.poll_interval_s = poll_interval_s or min(max(timeout_s / 10, 0.5), 2.0)
+        # How long another process or the coordinator may go without a word.
+        self.silence_limit_s = min(timeout_s, SILENCE_LIMIT_S)
 
         # Written by the caller's thread (heartbeat) and by the exchange thread;
         # each is one attribute assignment of an immutable value.
@@ -246,23 +261,25 @@ class Watchdog:
             return now - max(since, armed_at)
 
         me = self._process_index
-        # (rank, age_s, line): missing processes first, stuck ones next, this one last.
+        # (rank, age_s, limit_s, line): missing processes first, stuck ones next, this one last.
         findings = [
             (
                 2,
                 now - beat_at,
+                self.timeout_s,
                 f"process {me} (this process): no progress for "
                 f"{now - beat_at:.1f} s after step {step}",
             )
         ]
         notes = []  # listed in a report, never a reason for one
         unreachable = age(self._kv_ok_at) if self._kv_store is not None else 0.0
-        if unreachable > self.timeout_s / 2:
+        if unreachable > self.silence_limit_s / 2:
             # The others' records are then unknown, not stale: blame only the coordinator.
             findings.append(
                 (
                     0,
                     unreachable,
+                    self.silence_limit_s,
                     f"coordinator (jax.distributed service): "
                     f"unreachable for {unreachable:.1f} s ({self._kv_error or 'no answer'})",
                 )
@@ -276,14 +293,15 @@ class Watchdog:
                     notes.append(f"process {index}: left its training loop at step {peer.step}")
                 elif (finding := self._judge_peer(index, peer, age)) is not None:
                     findings.append(finding)
-        if all(age_s <= self.timeout_s for _, age_s, _ in findings):
+        if all(age_s <= limit_s for _, age_s, limit_s, _ in findings):
             return None
         findings.sort(key=lambda finding: (finding[0], -finding[1]))
-        lines = [line for _, age_s, line in findings if age_s > self.timeout_s / 2] + notes
+        lines = [line for _, age_s, limit_s, line in findings if age_s > limit_s / 2] + notes
         return "\n".join(
             [
-                f"jdp watchdog: process {me} of {self._process_count} gives up at step {step}: "
-                f"no progress within timeout_s={self.timeout_s:g}."
+                f"jdp watchdog: process {me} of {self._process_count} gives up at step {step} "
+                f"(limits: no progress for timeout_s={self.timeout_s:g} s, silence for "
+                f"{self.silence_limit_s:g} s):"
             ]
             + [f"  {line}" for line in lines]
             + [
@@ -295,19 +313,24 @@ class Watchdog:
 
     def _judge_peer(
         self, index: int, peer: _PeerView | None, age: Callable[[float], float]
-    ) -> tuple[int, float, str] | None:
-        """A finding (rank, age_s, line) about another process, or None while it looks healthy."""
+    ) -> tuple[int, float, float, str] | None:
+        """A finding (rank, age_s, limit_s, line) about another process, or None while it
+        looks healthy."""
+        quiet = self.silence_limit_s
         if peer is None:
-            silent = age(-math.inf)
-            return 0, silent, f"process {index}: has not reported since this process's first step"
+            # Its watchdog starts after its first compilation, which may take longer than
+            # this one's: judged by timeout_s, like any difference in start-up time.
+            line = f"process {index}: has not reported since this process's first step"
+            return 0, age(-math.inf), self.timeout_s, line
         silent, stalled = age(peer.seq_changed_at), age(peer.beats_changed_at)
         where = f"after step {peer.step}" if peer.beats else "before its first step"
-        # A healthy peer's record changes every poll interval, far below timeout_s / 2.
-        if silent > self.timeout_s / 2:
+        # A healthy peer's record changes every poll interval, far below the silence limit.
+        if silent > quiet / 2:
             line = f"process {index}: silent for {silent:.1f} s, last seen {where}"
-            return 0, silent, f"{line} (it died, or its host is unreachable)"
+            return 0, silent, quiet, f"{line} (it died, or its host is unreachable)"
         if stalled > self.timeout_s / 2:
-            return 1, stalled, f"process {index}: alive but no progress for {stalled:.1f} s {where}"
+            line = f"process {index}: alive but no progress for {stalled:.1f} s {where}"
+            return 1, stalled, self.timeout_s, line
         return None
 
     # -- the threads ----------------------------------------------------------

@@ -14,7 +14,7 @@ import time
 import pytest
 from test_distributed import free_port, join_args, run_processes, wait_all
 
-from jdp import watchdog
+from jdp import distributed, watchdog
 from jdp.watchdog import Watchdog
 
 TIMEOUT_S = 10.0
@@ -142,6 +142,43 @@ def test_fires_on_a_silent_peer_even_while_this_process_progresses(clock):
     assert "this process" not in report  # it did progress
 
 
+def test_a_silent_peer_is_named_within_the_silence_limit_whatever_timeout_s(clock):
+    # With the default timeout_s=600, jax's coordination service would abort every process
+    # (SIGABRT, no report) long before 600 s: silence is judged after SILENCE_LIMIT_S.
+    store = FakeStore()
+    dogs = [Watchdog(600.0, clock=clock, kv_store=store, process_index=i, process_count=2)
+            for i in range(2)]
+    beat_and_exchange(clock, dogs, dogs, seconds=30)
+    limit = int(watchdog.SILENCE_LIMIT_S)
+    # Process 0 sees process 1's last record one exchange after it was written.
+    beat_and_exchange(clock, [dogs[0]], [dogs[0]], seconds=limit + 1, first_step=30)
+    assert dogs[0].check() is None
+    beat_and_exchange(clock, [dogs[0]], [dogs[0]], seconds=1, first_step=31 + limit)
+    report = dogs[0].check()
+    assert report is not None
+    assert f"process 1: silent for {limit + 1}.0 s, last seen after step 29" in report
+    assert limit < distributed.HEARTBEAT_TIMEOUT_S / 2  # jax's own verdict comes much later
+
+
+def test_a_peer_alive_but_stuck_is_judged_by_timeout_s_not_the_silence_limit(clock):
+    store = FakeStore()
+    dogs = [Watchdog(60.0, clock=clock, kv_store=store, process_index=i, process_count=2)
+            for i in range(2)]
+    beat_and_exchange(clock, dogs, dogs, seconds=5)
+    beat_and_exchange(clock, [dogs[0]], dogs, seconds=61, first_step=5)  # 1 publishes, no steps
+    assert dogs[0].check() is None
+    beat_and_exchange(clock, [dogs[0]], dogs, seconds=1, first_step=66)
+    assert "process 1: alive but no progress for 61.0 s" in dogs[0].check()
+
+
+def test_a_peer_still_compiling_is_judged_by_timeout_s(clock):
+    store = FakeStore()
+    dogs = [Watchdog(60.0, clock=clock, kv_store=store, process_index=i, process_count=2)
+            for i in range(2)]
+    beat_and_exchange(clock, [dogs[0]], [dogs[0]], seconds=60)  # 1 has not started its watchdog
+    assert dogs[0].check() is None
+
+
 def test_names_a_peer_alive_but_stuck(clock):
     _, (dog0, dog1) = make_job(clock)
     beat_and_exchange(clock, [dog0, dog1], [dog0, dog1], seconds=5)
@@ -241,13 +278,18 @@ def last_step(stdout: str) -> int:
     return int(steps[-1]) if steps else -1
 
 
+# jdp's default: the silence of a dead process must be reported long before this, and before
+# jax's coordination service aborts the survivor (distributed.HEARTBEAT_TIMEOUT_S).
+DEFAULT_TIMEOUT_S = 600.0
+
+
 def signal_mid_training(
     tmp_path, victim: int, signum: int = signal.SIGKILL
 ) -> tuple[int, float, str, int]:
     """Sends `signum` to process `victim` after both ran 50 steps; returns the survivor's exit
     code, seconds from the signal to its exit, its stderr and the last step it printed."""
     port = free_port()
-    argvs = [join_args(port, 2, i, watchdog_timeout_s=TIMEOUT_S) for i in range(2)]
+    argvs = [join_args(port, 2, i, watchdog_timeout_s=DEFAULT_TIMEOUT_S) for i in range(2)]
     with run_processes(_TRAIN, argvs, tmp_path) as children:
         deadline = time.monotonic() + 120
         # Long enough that every watchdog has published progress a few times.
@@ -258,17 +300,19 @@ def signal_mid_training(
         children[victim].popen.send_signal(signum)
         signalled_at = time.monotonic()
         survivor = children[1 - victim]
-        [code] = wait_all([survivor], timeout_s=TIMEOUT_S + 30)
+        [code] = wait_all([survivor], timeout_s=distributed.HEARTBEAT_TIMEOUT_S + 30)
         return code, time.monotonic() - signalled_at, survivor.stderr, last_step(survivor.stdout)
 
 
 @pytest.mark.slow
 def test_killing_a_process_ends_the_other_with_a_report(tmp_path):
     code, took_s, stderr, step = signal_mid_training(tmp_path, victim=1)
+    # jdp's report and restartable status, not jax's abort (SIGABRT, status 134).
     assert code == watchdog.EXIT_CODE, stderr[-3000:]
-    assert took_s < TIMEOUT_S + 30
+    assert took_s < distributed.HEARTBEAT_TIMEOUT_S
     assert f"jdp watchdog: process 0 of 2 gives up at step {step}" in stderr
     assert "process 1: silent for" in stderr
+    assert "Terminating process because the JAX distributed service" not in stderr
 
 
 @pytest.mark.slow
@@ -276,7 +320,7 @@ def test_killing_the_coordinator_ends_the_other_process(tmp_path):
     # jax notices first: the survivor's coordination-service client loses its
     # connection and aborts the process (SIGABRT) within about a second.
     code, took_s, stderr, _ = signal_mid_training(tmp_path, victim=0)
-    assert code != 0 and took_s < TIMEOUT_S + 30
+    assert code != 0 and took_s < distributed.HEARTBEAT_TIMEOUT_S
     assert "leader task was preempted/died" in stderr or "gives up at step" in stderr
 
 
@@ -285,6 +329,6 @@ def test_a_frozen_coordinator_is_reported_unreachable(tmp_path):
     # A stopped process keeps its connections open, so calls to it hang instead of failing.
     code, took_s, stderr, step = signal_mid_training(tmp_path, victim=0, signum=signal.SIGSTOP)
     assert code == watchdog.EXIT_CODE, stderr[-3000:]
-    assert took_s < TIMEOUT_S + 30
+    assert took_s < distributed.HEARTBEAT_TIMEOUT_S
     assert f"jdp watchdog: process 1 of 2 gives up at step {step}" in stderr
     assert "coordinator (jax.distributed service): unreachable for" in stderr
