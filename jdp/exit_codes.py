@@ -4,7 +4,7 @@ retry". README.md's table lists them.
 """
 
 FINISHED = 0  # trained to total_steps
-FAILED = 1  # an unexpected error (a traceback): retrying would repeat it
+FAILED = 1  # an unexpected error (a traceback): it may repeat, so only a bounded retry
 BAD_CONFIG = 2  # a bad config, command line or input, reported before anything was written
 NONFINITE = 3  # the loss or gradients went non-finite; the last good checkpoint is kept
 PEER_LOST = 75  # another process died or stopped making progress: restart the job

@@ -23,6 +23,12 @@ free port unless --port fixes one. The statuses in jdp.exit_codes.PERMANENT
 (bad config, non-finite loss) would only repeat and end the launcher at once,
 as does a signal to the launcher itself.
 
+`--min_processes=M` (elastic, like torchrun's `--nnodes=M:N`): a restart after
+a failure other than a preemption leaves out one process, as if the host of
+the one that failed were lost, down to M processes. jdp continues the same
+example stream with the same global batch on the devices that remain (the
+global batch must still divide them, or the restart fails with status 2).
+
 Standard library and jdp.exit_codes (which imports nothing), so it starts fast.
 """
 
@@ -82,6 +88,13 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         default=0,
         help="times to start all processes again after a failure that may not repeat",
     )
+    parser.add_argument(
+        "--min_processes",
+        type=int,
+        default=None,
+        help="restart with one process fewer after each failure, down to this many "
+        "(default: --num_processes, never fewer)",
+    )
     argv = list(argv)
     if "--" not in argv:
         parser.error("missing '-- command ...' after the options")
@@ -95,6 +108,13 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
             parser.error(f"--{name} must be at least 1, got {value}")
     if args.max_restarts < 0:
         parser.error(f"--max_restarts must be at least 0, got {args.max_restarts}")
+    if args.min_processes is None:
+        args.min_processes = args.num_processes
+    if not 1 <= args.min_processes <= args.num_processes:
+        parser.error(
+            f"--min_processes must be between 1 and --num_processes={args.num_processes}, "
+            f"got {args.min_processes}"
+        )
     return args, command
 
 
@@ -278,15 +298,20 @@ def wait_for_first_failure(group: ProcessGroup) -> tuple[int, int] | None:
 
 def run(
     command: Sequence[str],
-    start_envs: Callable[[], Sequence[Mapping[str, str]]],
+    start_envs: Callable[[int], Sequence[Mapping[str, str]]],
     grace_s: float,
     max_restarts: int = 0,
+    num_processes: int = 1,
+    min_processes: int | None = None,
 ) -> int:
     """Runs the processes to completion, restarting them up to max_restarts times.
 
-    `start_envs` gives the processes' environments for each start (a fresh
-    port each time). Returns the launcher's exit status.
+    `start_envs(n)` gives the environments of n processes for each start (a
+    fresh port each time). A restart after a failure other than a preemption
+    starts one process fewer while more than `min_processes` remain. Returns the
+    launcher's exit status.
     """
+    min_processes = num_processes if min_processes is None else min_processes
     signals_received: list[int] = []
     group: ProcessGroup | None = None
 
@@ -300,7 +325,7 @@ def run(
     try:
         restarts = 0
         while True:
-            group = ProcessGroup(command, start_envs())
+            group = ProcessGroup(command, start_envs(num_processes))
             if signals_received:  # arrived while the processes were being started
                 group.signal_all(signals_received[0])
             # The first failure seen wins over the statuses of the processes it stops.
@@ -316,11 +341,18 @@ def run(
                 and status not in exit_codes.PERMANENT
                 and restarts < max_restarts
             )
+            shrink = restart and status != exit_codes.PREEMPTED and num_processes > min_processes
             if not signals_received:
+                next_step = _next_step(status, restart, restarts, max_restarts)
+                if shrink:
+                    next_step += (
+                        f" with {num_processes - 1} process{'es' if num_processes > 2 else ''} "
+                        "(its host counted as lost; "
+                        f"--min_processes={min_processes})"
+                    )
                 print(
                     f"launch/local.py: process {index} exited with status {status} "
-                    f"({status_meaning(status)}); "
-                    + _next_step(status, restart, restarts, max_restarts),
+                    f"({status_meaning(status)}); {next_step}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -329,6 +361,7 @@ def run(
             if not restart or signals_received:  # signals_received: also during the stop
                 return status
             restarts += 1
+            num_processes -= shrink
     finally:
         if group is not None and group.running():  # e.g. an exception above
             group.signal_all(signal.SIGKILL)
@@ -350,28 +383,35 @@ def _next_step(status: int, restart: bool, restarts: int, max_restarts: int) -> 
 def main(argv: Sequence[str] | None = None) -> int:
     args, command = parse_args(sys.argv[1:] if argv is None else argv)
 
-    def start_envs() -> list[dict[str, str]]:
+    def start_envs(num_processes: int) -> list[dict[str, str]]:
         # A fresh port per start: the previous coordinator's may still be held.
         coordinator_address = f"127.0.0.1:{args.port or free_port()}"
         return [
             process_env(
                 os.environ,
                 process_id,
-                args.num_processes,
+                num_processes,
                 coordinator_address,
                 args.devices_per_process,
                 args.gpus_per_process,
             )
-            for process_id in range(args.num_processes)
+            for process_id in range(num_processes)
         ]
 
     try:
-        start_envs()  # reports an impossible GPU split before anything starts
+        start_envs(args.num_processes)  # reports an impossible GPU split before anything starts
     except ValueError as error:
         print(f"launch/local.py: {error}", file=sys.stderr)
         return exit_codes.BAD_CONFIG
     try:
-        return run(command, start_envs, args.grace_s, args.max_restarts)
+        return run(
+            command,
+            start_envs,
+            args.grace_s,
+            args.max_restarts,
+            args.num_processes,
+            args.min_processes,
+        )
     except OSError as error:  # the command could not be started
         print(f"launch/local.py: cannot run {command[0]!r}: {error}", file=sys.stderr)
         return 127

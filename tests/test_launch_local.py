@@ -167,8 +167,8 @@ def test_each_process_gets_its_own_id_and_the_shared_coordinator(launch):
 def _restarting_job(tmp_path: Path, first_run_status: int) -> str:
     """Process 1 exits `first_run_status` on its first run, process 0 waits to be stopped.
 
-    Every start appends "process_id coordinator_address" to tmp_path/starts;
-    on a later run both processes exit 0.
+    Every start appends "process_id coordinator_address num_processes" to
+    tmp_path/starts; on a later run every process exits 0.
     """
     return textwrap.dedent(f"""
         import os, sys, time
@@ -181,7 +181,8 @@ def _restarting_job(tmp_path: Path, first_run_status: int) -> str:
 
         first_run = not started(index)
         with open(starts, "a") as f:
-            print(index, os.environ["JDP_COORDINATOR_ADDRESS"], file=f)
+            print(index, os.environ["JDP_COORDINATOR_ADDRESS"], os.environ["JDP_NUM_PROCESSES"],
+                  file=f)
         if not first_run:
             sys.exit(0)
         if index == "1":
@@ -195,7 +196,12 @@ def _restarting_job(tmp_path: Path, first_run_status: int) -> str:
 def _starts(tmp_path: Path) -> list[tuple[str, str]]:
     """(process id, coordinator address) of every start, in order."""
     lines = (tmp_path / "starts").read_text().splitlines()
-    return [tuple(line.split()) for line in lines]
+    return [tuple(line.split()[:2]) for line in lines]
+
+
+def _job_sizes(tmp_path: Path) -> list[str]:
+    """JDP_NUM_PROCESSES of every start, in order."""
+    return [line.split()[2] for line in (tmp_path / "starts").read_text().splitlines()]
 
 
 def _restart_lines(stderr: str) -> list[str]:
@@ -217,6 +223,38 @@ def test_a_lost_peer_or_preemption_restarts_every_process_and_the_rerun_finishes
     assert _restart_lines(stderr) == [
         f"launch/local.py: process 1 exited with status {status} ({meaning}); restart 1 of 2"
     ]
+
+
+def test_min_processes_restarts_without_the_failed_process_host(launch, tmp_path):
+    launcher = launch(
+        "--num_processes=2",
+        "--min_processes=1",
+        "--max_restarts=2",
+        script=_restarting_job(tmp_path, exit_codes.FAILED),
+    )
+    _, stderr = launcher.communicate(timeout=STOP_TIMEOUT_S)
+
+    assert launcher.returncode == 0, stderr
+    # The rerun is one process, numbered 0 of 1: jdp continues the same stream on its devices.
+    assert [process for process, _ in _starts(tmp_path)][2:] == ["0"]
+    assert _job_sizes(tmp_path) == ["2", "2", "1"]
+    assert _restart_lines(stderr) == [
+        "launch/local.py: process 1 exited with status 1 (failed); restart 1 of 2 with "
+        "1 process (its host counted as lost; --min_processes=1)"
+    ]
+
+
+def test_a_preemption_restarts_every_process_even_with_min_processes(launch, tmp_path):
+    launcher = launch(
+        "--num_processes=2",
+        "--min_processes=1",
+        "--max_restarts=1",
+        script=_restarting_job(tmp_path, exit_codes.PREEMPTED),
+    )
+    _, stderr = launcher.communicate(timeout=STOP_TIMEOUT_S)
+
+    assert launcher.returncode == 0, stderr
+    assert _job_sizes(tmp_path) == ["2", "2", "2", "2"]
 
 
 def test_each_restart_gets_a_fresh_coordinator_port(launch, tmp_path):
@@ -321,6 +359,13 @@ def test_a_signal_to_the_launcher_is_not_answered_by_a_restart(launch, tmp_path)
 def test_max_restarts_must_not_be_negative():
     with pytest.raises(SystemExit):
         _load_launcher().parse_args(["--num_processes=1", "--max_restarts=-1", "--", "true"])
+
+
+@pytest.mark.parametrize("value", ["0", "3"])
+def test_min_processes_must_be_between_1_and_num_processes(value):
+    with pytest.raises(SystemExit):
+        _load_launcher().parse_args(
+            ["--num_processes=2", f"--min_processes={value}", "--", "true"])
 
 
 def test_device_count_flag_is_appended_or_replaced():
