@@ -104,7 +104,16 @@ GRADIENT_SCOPE = "gradient_all_reduce"  # jdp.parallel.step names its one reduct
 
 
 def _is_gradient_reduce(collective: Collective) -> bool:
-    return collective.kind == "all-reduce" and GRADIENT_SCOPE in collective.op_name
+    # FSDP reduces each gradient with a reduce-scatter, under the same scope.
+    return (collective.kind in ("all-reduce", "reduce-scatter")
+            and GRADIENT_SCOPE in collective.op_name)
+
+
+def _reduced_bytes(collective: Collective) -> int:
+    """The bytes a reduction sums: a reduce-scatter's input, an all-reduce's buffer."""
+    if collective.kind == "reduce-scatter":
+        return collective.operand_bytes or collective.bytes * (collective.group_size or 1)
+    return collective.bytes
 
 
 def gradient_all_reduce_bytes(collectives: Sequence[Collective]) -> int:
@@ -112,18 +121,19 @@ def gradient_all_reduce_bytes(collectives: Sequence[Collective]) -> int:
 
     jdp issues it under the name scope `gradient_all_reduce`; HLO without that
     metadata falls back to the largest all-reduce outside loops. The program as
-    lowered may split it into one op per gradient leaf: all of them count.
+    lowered may split it into one op per gradient leaf: all of them count, and
+    FSDP's reduce-scatters count with their inputs (the full gradients summed).
     """
     named = [c for c in collectives if _is_gradient_reduce(c)]
     if named:
-        return sum(c.bytes for c in named)
+        return sum(_reduced_bytes(c) for c in named)
     return max((c.bytes for c in _outside_loop_all_reduces(collectives)), default=0)
 
 
 def other_all_reduces(collectives: Sequence[Collective]) -> list[Collective]:
     """All-reduces besides the gradient one (BatchNorm statistics, the model's own)."""
     reduces = [c for c in collectives if c.kind == "all-reduce"]
-    if any(_is_gradient_reduce(c) for c in reduces):
+    if any(_is_gradient_reduce(c) for c in collectives):
         return [c for c in reduces if not _is_gradient_reduce(c)]
     outside = sorted(_outside_loop_all_reduces(reduces), key=lambda c: c.bytes)
     return outside[:-1] + [c for c in reduces if c.in_loop]
@@ -244,7 +254,10 @@ def _gradient_lines(inputs: PlanInputs) -> tuple[list[str], int]:
     if others:
         other_bytes = sum(c.bytes for c in others)
         lines.append(f"  {len(others)} other all-reduce(s) of {_size(other_bytes)} in all: "
-                     "the model's own (BatchNorm's global-batch statistics)")
+                     "the model's own (BatchNorm's global-batch statistics) or, with "
+                     "sharded state, XLA's (global norms of sharded gradients)")
+    if any(c.kind == "reduce-scatter" and _is_gradient_reduce(c) for c in inputs.collectives):
+        lines.append("  as reduce-scatters (FSDP): each device keeps the sum of its own shard")
     if total == 0:
         lines.append("  no all-reduce outside loops: scaling below uses the expected bytes")
         return lines, expected

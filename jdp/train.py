@@ -173,7 +173,8 @@ def build_backend(config, mesh, model: modeling.Model, task: task_lib.Task, tx) 
         reduce_dtype=config.parallel.grad_reduce_dtype,
         shard_optimizer_state=config.parallel.shard_optimizer_state,
         shard_params=config.parallel.shard_params,
-        compiler_options=compiler_options(mesh.devices.flat[0].platform, config.remat),
+        compiler_options=compiler_options(mesh.devices.flat[0].platform, config.remat,
+                                          config.parallel.shard_params),
         learning_rate_fn=optim.learning_rate_fn(config),
     ))
 

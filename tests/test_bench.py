@@ -18,6 +18,8 @@ TINY = {
                  r"^overhead: jdp step time / minimal jax.jit step time = \d+\.\d+$"),
     "scaling": (["--model=nano", "--batch_size=16", "--steps=1", "--repeats=1"],
                 r"^scaling vs 1 device: 1: 1\.00x(, \d+: \d+\.\d+x)+$"),
+    "memory": (["--model=nano", "--image_size=32", "--patch_size=8", "--num_classes=16"],
+               r"^memory: fsdp / replicated arguments \+ temporaries per device = \d+\.\d+$"),
     "checkpoint": (["--model=nano", "--repeats=1"],
                    r"^checkpoint: async stall / synchronous stall = \d+\.\d+$"),
 }

@@ -43,10 +43,12 @@ def test_pmap_matches_pjit(runs):
 
 
 def test_sharded_state_follows_the_replicated_trajectory(runs, tmp_path):
-    # FSDP-style params sharding on one model, ZeRO-1 on the other: each path once.
-    sharding = {"experiments/vit.py": "shard_params",
-                "experiments/resnet.py": "shard_optimizer_state"}[runs["experiment"]]
-    sharded = train(runs["experiment"], tmp_path, *STEPS, f"--config.parallel.{sharding}=true")
+    # FSDP on one model (with accumulation: a reduce-scatter per micro-batch into a
+    # sharded accumulator), ZeRO-1 on the other: each path once.
+    sharding = {"experiments/vit.py": ["--config.parallel.shard_params=true",
+                                       "--config.grad_accum_steps=2"],
+                "experiments/resnet.py": ["--config.parallel.shard_optimizer_state=true"]}
+    sharded = train(runs["experiment"], tmp_path, *STEPS, *sharding[runs["experiment"]])
     assert_same_trajectory(sharded, runs["pjit8"])
 
 

@@ -44,14 +44,16 @@ class StepOptions:
     learning_rate_fn: Callable | None = None  # step -> LR, reported from inside the step
 
 
-def compiler_options(platform: str, remat: str) -> dict | None:
+def compiler_options(platform: str, remat: str, shard_params: bool = False) -> dict | None:
     """XLA options the train step needs on this platform.
 
-    XLA:CPU's default scheduler optimises for concurrency and hoists the
+    XLA:CPU's default scheduler optimises for concurrency: it hoists the
     recomputation of rematerialised blocks back into the forward pass, which
-    undoes remat; its memory-optimised scheduler keeps the saving.
+    undoes remat, and issues every FSDP all-gather at the start, which
+    materialises the whole model. Its memory-optimised scheduler keeps both
+    savings (ViT-B/16: 587 MiB per device with FSDP instead of 722).
     """
-    if platform == "cpu" and remat != "none":
+    if platform == "cpu" and (remat != "none" or shard_params):
         return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
     return None
 
@@ -168,13 +170,19 @@ class PjitBackend(Backend):
             for key, value in local_batch.items()
         }
 
-    def _step_fn(self):
+    def _step_fn(self, param_specs):
+        """The train step; `param_specs` are the params' PartitionSpecs (FSDP shards them)."""
         opts, model, task, mesh = self.options, self.model, self.task, self.mesh
+        reduce_dtype = jnp.dtype(opts.reduce_dtype)
+        # FSDP: params enter the per-device computation as shards, are gathered where
+        # the model uses them, and their gradients leave reduce-scattered, as shards.
+        gather = step_lib.fsdp_gather(param_specs, reduce_dtype) if opts.shard_params else None
+        grad_specs = param_specs if opts.shard_params else P()
 
         def device_grads(params, model_state, batch, rng, step):
             return step_lib.device_gradients(
                 model, task, params, model_state, batch, step_lib.step_rng(rng, step),
-                accum_steps=opts.accum_steps, reduce_dtype=jnp.dtype(opts.reduce_dtype))
+                accum_steps=opts.accum_steps, reduce_dtype=reduce_dtype, gather=gather)
 
         def train_step(state, batch):
             # check_vma=False gives pmap's semantics: the gradient of a replicated
@@ -182,8 +190,8 @@ class PjitBackend(Backend):
             # pmean is the only reduction, exactly as under pmap.
             grads, model_state, metrics = jax.shard_map(
                 device_grads, mesh=mesh,
-                in_specs=(P(), P(), P(DATA_AXIS), P(), P()),
-                out_specs=(P(), P(), P()),
+                in_specs=(grad_specs, P(), P(DATA_AXIS), P(), P()),
+                out_specs=(grad_specs, P(), P()),
                 check_vma=False,
             )(state.params, state.model_state, batch, state.rng, state.step)
             return step_lib.apply_gradients(self.tx, state, grads, model_state, metrics,
@@ -194,8 +202,9 @@ class PjitBackend(Backend):
     def _jitted(self, state):
         if self._train_step is None:
             state_shardings = jax.tree.map(lambda x: x.sharding, state)
+            param_specs = jax.tree.map(lambda sharding: sharding.spec, state_shardings.params)
             self._train_step = jax.jit(
-                self._step_fn(),
+                self._step_fn(param_specs),
                 in_shardings=(state_shardings, mesh_lib.batch_sharding(self.mesh)),
                 out_shardings=(state_shardings, mesh_lib.replicated(self.mesh)),
                 donate_argnums=0,

@@ -115,6 +115,21 @@ class Collective:
         sizes = {len(group) for group in self.replica_groups or ()}
         return sizes.pop() if len(sizes) == 1 else None
 
+    def ring_bytes_sent(self, device_count: int) -> float:
+        """Bytes each device sends for this op with ring algorithms, bandwidth-bound: an
+        all-reduce 2 (N-1)/N of its buffer, an all-gather (N-1)/N of its result, a
+        reduce-scatter (N-1)/N of its input. N is the group size (`device_count` when the
+        op lists no groups); other kinds count their result once."""
+        n = self.group_size or device_count
+        share = (n - 1) / n
+        if self.kind == "all-reduce":
+            return 2 * share * self.bytes
+        if self.kind == "all-gather":
+            return share * self.bytes
+        if self.kind == "reduce-scatter":
+            return share * (self.operand_bytes or n * self.bytes)
+        return float(self.bytes)
+
 
 def _computations(hlo_text: str) -> dict[str, list[str]]:
     bodies: dict[str, list[str]] = {}

@@ -17,6 +17,7 @@ import jax
 import jax.flatten_util
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from jdp import DATA_AXIS
 from jdp import task as task_lib
@@ -51,6 +52,46 @@ def step_rng(rng: jax.Array, step: jax.Array, axis_name: str | None = DATA_AXIS)
 GRADIENT_ALL_REDUCE = "gradient_all_reduce"
 
 
+def fsdp_gather(specs, reduce_dtype: jnp.dtype, axis_name: str = DATA_AXIS):
+    """Local param shards -> full params, whose gradient comes back reduce-scattered.
+
+    For FSDP under shard_map: `specs` gives each param's PartitionSpec (split over
+    `axis_name` along at most one dimension, else replicated). The forward pass
+    all-gathers a sharded param where the model uses it; its transpose sums the
+    gradient over devices and leaves each device its own shard (a reduce-scatter,
+    in `reduce_dtype`), so neither the whole model's gradient nor an all-reduce
+    of it ever exists. A replicated param's gradient is summed with a psum.
+    """
+
+    def gather_leaf(spec):
+        dims = [dim for dim, name in enumerate(spec) if name == axis_name]
+
+        @jax.custom_vjp
+        def gather(x):
+            if not dims:
+                return x
+            return jax.lax.all_gather(x, axis_name, axis=dims[0], tiled=True)
+
+        def forward(x):
+            return gather(x), None
+
+        def backward(_, g):
+            g = g.astype(reduce_dtype)
+            with jax.named_scope(GRADIENT_ALL_REDUCE):
+                if dims:
+                    g = jax.lax.psum_scatter(g, axis_name, scatter_dimension=dims[0],
+                                             tiled=True)
+                else:
+                    g = jax.lax.psum(g, axis_name)
+            return (g.astype(jnp.float32),)
+
+        gather.defvjp(forward, backward)
+        return gather
+
+    gathers = jax.tree.map(gather_leaf, specs, is_leaf=lambda x: isinstance(x, P))
+    return lambda params: jax.tree.map(lambda gather, p: gather(p), gathers, params)
+
+
 def device_gradients(
     model: Model,
     task: Task,
@@ -62,6 +103,7 @@ def device_gradients(
     accum_steps: int,
     reduce_dtype: jnp.dtype,
     axis_name: str = DATA_AXIS,
+    gather=None,
 ):
     """Gradients of the global weighted mean loss, the updated model state and the metrics.
 
@@ -71,9 +113,15 @@ def device_gradients(
     together, and only then is everything divided by the global weight. So the
     result is `sum(loss * weight) / sum(weight)` over all devices and micro-batches,
     never a mean of per-device means.
+
+    With `gather` (FSDP, `fsdp_gather`), `params` are this device's shards and the
+    gradients come back reduced and sharded from the gather's transpose, once per
+    micro-batch; the one psum then carries only the metric sums.
     """
 
     def loss_fn(p, state, micro_batch, key):
+        if gather is not None:
+            p = gather(p)
         outputs, state = model.apply(p, state, task.model_inputs(micro_batch), True, key)
         sums = task_lib.weighted_sums(task.objective(outputs, micro_batch))
         return sums[task_lib.LOSS][0], (state, sums)
@@ -101,13 +149,16 @@ def device_gradients(
         (grads, model_state, sums), _ = jax.lax.scan(
             accumulate, (zeros, model_state, zero_sums), (micro_batches, jnp.arange(accum_steps)))
 
-    grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
     # The one collective of the step: gradient sums, metric sums and weight totals
     # in one all-reduce (the sums stay float32 whatever the gradients travel in).
     # The sums travel as one float32 vector: one operand instead of two per metric.
     flat_sums, unflatten = jax.flatten_util.ravel_pytree(sums)
     with jax.named_scope(GRADIENT_ALL_REDUCE):  # found by this name in the HLO (the plan)
-        grads, flat_sums = jax.lax.psum((grads, flat_sums), axis_name)
+        if gather is None:
+            grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
+            grads, flat_sums = jax.lax.psum((grads, flat_sums), axis_name)
+        else:  # already reduce-scattered by the gather's transpose
+            flat_sums = jax.lax.psum(flat_sums, axis_name)
     sums = unflatten(flat_sums)
     loss_weight = sums[task_lib.LOSS][1]
     grads = jax.tree.map(lambda g: task_lib.safe_divide(g.astype(jnp.float32), loss_weight),

@@ -1,0 +1,75 @@
+"""Per-device memory and communication of the train step: replicated, ZeRO-1 and FSDP.
+
+    python -m jdp.bench memory --model=base   # ViT-B/16 at 224, bf16, one example per device
+
+Read from XLA's `memory_analysis()` and the collectives of the step compiled
+from shapes alone (nothing is allocated), so it runs on a CPU for any device
+count. Communication is what each device sends per step with ring algorithms.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jdp import modeling
+from jdp.mesh import make_mesh
+from jdp.models import vit
+from jdp.parallel import StepOptions, compiler_options, hlo, make_backend
+from jdp.task import classification
+
+MIB = 2**20
+# name -> StepOptions fields
+LAYOUTS = {
+    "replicated": {},
+    "zero1": {"shard_optimizer_state": True},
+    "fsdp": {"shard_params": True},
+}
+
+
+def add_arguments(parser, name: str) -> None:
+    parser.add_argument("--model", default="base", help="ViT size (nano, tiny, small, base, ...)")
+    parser.add_argument("--image_size", type=int, default=224)
+    parser.add_argument("--patch_size", type=int, default=16)
+    parser.add_argument("--num_classes", type=int, default=1000)
+    parser.add_argument("--per_device_batch_size", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16", help="compute dtype")
+    parser.add_argument("--remat", default="none", help="none, full, ...")
+
+
+def step_memory(args, layout: str) -> tuple[int, int, float]:
+    """(argument bytes, temporary bytes, bytes sent) per device of the compiled train step."""
+    mesh = make_mesh()
+    model = modeling.from_linen(vit(args.model, num_classes=args.num_classes,
+                                    patch_size=args.patch_size, pool="cls",
+                                    dtype=jnp.dtype(args.dtype), remat=args.remat))
+    layout_options = LAYOUTS[layout]
+    options = StepOptions(compiler_options=compiler_options(
+        jax.devices()[0].platform, args.remat, layout_options.get("shard_params", False)),
+        **layout_options)
+    backend = make_backend("pjit", mesh, model, classification(), optax.adamw(1e-3), options)
+    example = {"image": np.zeros((args.image_size, args.image_size, 3), np.float32),
+               "label": np.zeros((), np.int32)}
+    state = backend.abstract_state(jax.random.key(0), (example["image"][None],))
+    state, batch = backend.abstract_working(state, example,
+                                            args.per_device_batch_size * mesh.size)
+    compiled = backend.lowered_train_step(state, batch).compile(options.compiler_options)
+    memory = compiled.memory_analysis()
+    sent = sum(op.ring_bytes_sent(mesh.size) for op in hlo.collectives(compiled.as_text()))
+    return memory.argument_size_in_bytes, memory.temp_size_in_bytes, sent
+
+
+def run(args) -> None:
+    totals = {}
+    for layout in LAYOUTS:
+        arguments, temporaries, sent = step_memory(args, layout)
+        totals[layout] = arguments + temporaries
+        print(f"{layout:10s} ViT-{args.model}/{args.patch_size} at {args.image_size}, "
+              f"{args.dtype}, {args.per_device_batch_size} example(s) per device on "
+              f"{jax.device_count()} devices: arguments {arguments / MIB:.0f} MiB + "
+              f"temporaries {temporaries / MIB:.0f} MiB per device; sends "
+              f"{sent / MIB:.0f} MiB per device per step", flush=True)
+    print(f"memory: fsdp / replicated arguments + temporaries per device = "
+          f"{totals['fsdp'] / totals['replicated']:.3f}")
