@@ -20,6 +20,8 @@ TINY = {
                 r"^scaling vs 1 device: 1: 1\.00x(, \d+: \d+\.\d+x)+$"),
     "checkpoint": (["--model=nano", "--repeats=1"],
                    r"^checkpoint: async stall / synchronous stall = \d+\.\d+$"),
+    "compile": (["--model=nano", "--batch_size=16", "--repeats=1"],
+                r"^compile: cold first-step compile s / warm = \d+\.\d\d$"),
 }
 
 
