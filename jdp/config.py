@@ -85,6 +85,10 @@ def defaults() -> ml_collections.ConfigDict:
     c.checkpoint.keep_best_mode = "max"
 
     c.watchdog_timeout_s = 600.0
+    # Compiled programs are kept here across runs (jdp/compile_cache.py). "" =
+    # $JDP_COMPILE_CACHE_DIR, else $XDG_CACHE_HOME/jdp/compile_cache, else
+    # ~/.cache/jdp/compile_cache; "none" = no cache.
+    c.compile_cache_dir = ""
     return c
 
 
@@ -217,12 +221,12 @@ def scaled_learning_rate(
 
 
 # Fields that may change when a run resumes: how it is logged, evaluated, saved and
-# spread over devices; where the data lives; how long it runs. Everything else
+# spread over devices; where the data and compiled programs live; how long it runs. Everything else
 # shapes the trajectory and must match the run being resumed.
 RESUMABLE_CHANGES = ("total_steps", "log_every_steps", "eval_every_steps", "eval_batch_size",
                      "crash_on_nan", "skip_nonfinite_steps", "tensorboard", "profile",
                      "watchdog_timeout_s", "checkpoint", "parallel", "data.data_dir",
-                     "data.num_threads")
+                     "data.num_threads", "compile_cache_dir")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

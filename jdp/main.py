@@ -17,8 +17,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import jdp
+from jdp import compile_cache, distributed, exit_codes, train
 from jdp import config as config_lib
-from jdp import distributed, exit_codes, train
 from jdp import experiment as experiment_lib
 from jdp.checkpoint import CheckpointError, CheckpointSaveError
 from jdp.errors import ConfigError
@@ -36,7 +36,7 @@ _DISTRIBUTED_TIMEOUT = flags.DEFINE_float(
     "distributed_timeout_s", 300.0, "Give up joining the job after this many seconds.")
 _DRY_RUN = flags.DEFINE_bool(
     "dry_run", False, "Compile the train step for this topology and print the plan (memory, "
-    "FLOPs, collectives, scaling); train nothing, write nothing.")
+    "FLOPs, collectives, scaling); train nothing, write nothing to the workdir.")
 _DEVICE_MEMORY = flags.DEFINE_float(
     "device_memory_gib", None, "With --dry_run: the per-device memory to plan for (default: "
     "what the device reports; CPUs report none).")
@@ -71,6 +71,8 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
     experiment = experiment_lib.load(config_path)
     device_count = jax.device_count() if devices is None else len(devices)
     plan = config_lib.validate(config, device_count, jax.process_count())
+    # Before anything compiles, so that the train step is read from the cache or added to it.
+    compile_cache.enable(compile_cache.resolve_dir(config.compile_cache_dir))
     config_json = config.to_json_best_effort(indent=2, sort_keys=True)
     distributed.check_same_across_processes(
         {"config": config_json, "jdp": jdp.__version__, "jax": jax.__version__})
@@ -182,8 +184,10 @@ def main(argv) -> None:
 
 
 # Libraries whose INFO lines (every Orbax save phase, TFDS loads, jax's search for
-# a TPU) would bury the training log; their warnings and errors still show.
-_QUIET_BELOW_WARNING = ("/orbax/", "/tensorflow_datasets/", "/jax/_src/xla_bridge.py")
+# a TPU, its compilation cache being reset) would bury the training log; their
+# warnings and errors still show.
+_QUIET_BELOW_WARNING = ("/orbax/", "/tensorflow_datasets/", "/jax/_src/xla_bridge.py",
+                        "/jax/_src/compilation_cache.py")
 
 
 class _ConsoleFilter(logging.logging.Filter):

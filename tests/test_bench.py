@@ -22,6 +22,8 @@ TINY = {
                r"^memory: fsdp / replicated arguments \+ temporaries per device = \d+\.\d+$"),
     "checkpoint": (["--model=nano", "--repeats=1"],
                    r"^checkpoint: async stall / synchronous stall = \d+\.\d+$"),
+    "compile": (["--model=nano", "--batch_size=16", "--repeats=1"],
+                r"^compile: cold first-step compile s / warm = \d+\.\d\d$"),
 }
 
 

@@ -57,6 +57,7 @@ FINAL_JOB_STATES = {
 # Set by the job's tasks, or choosing how JAX joins them: none may leak in from this process.
 LEAKING_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "JDP_")
 LEAKING_NAMES = ("JAX_COORDINATOR_ADDRESS", "JAX_COORDINATOR_PORT", "JAX_LOCAL_DEVICE_IDS")
+KEPT_NAMES = ("JDP_COMPILE_CACHE_DIR",)  # the session's cache (conftest.py), not the user's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +139,8 @@ def _job_env() -> dict[str, str]:
     env = {
         name: value
         for name, value in os.environ.items()
-        if not name.startswith(LEAKING_PREFIXES) and name not in LEAKING_NAMES
+        if name in KEPT_NAMES
+        or (not name.startswith(LEAKING_PREFIXES) and name not in LEAKING_NAMES)
     }
     env.update(
         JAX_PLATFORMS="cpu",

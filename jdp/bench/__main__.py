@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "scaling": "steps",
     "checkpoint": "checkpoint",
     "memory": "memory",
+    "compile": "compile",
 }
 
 

@@ -42,12 +42,18 @@ def _time_steps(step, state, batch, steps: int) -> tuple[float, object]:
     return (time.perf_counter() - start) / steps, state
 
 
-def _jdp_step(model, tx, devices, batch_np, backend="pjit"):
+def jdp_backend(model, tx, devices, batch_np, backend="pjit"):
+    """(backend, initial state, batch on the devices): everything jdp's step needs but its
+    compile."""
     backend_ = make_backend(backend, make_mesh(devices=devices), model, classification(), tx,
                             StepOptions())
     state = backend_.from_global(backend_.init_global(jax.random.key(0),
                                                       (batch_np["image"][:1],)))
-    batch = backend_.put_batch(batch_np)
+    return backend_, state, backend_.put_batch(batch_np)
+
+
+def _jdp_step(model, tx, devices, batch_np, backend="pjit"):
+    backend_, state, batch = jdp_backend(model, tx, devices, batch_np, backend)
     return backend_.compiled_train_step(state, batch), state, batch
 
 
