@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 
@@ -214,7 +215,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, parts: Part
     num_params = sum(x.size for x in jax.tree.leaves(state.params))
     logging.info("model has %s parameters; peak learning rate %.3g (lr_scaling=%s)",
                  f"{num_params:,}", optim.peak_learning_rate(config), config.lr_scaling)
-    state = backend.from_global(state)
+    state = backend.from_global(state, consume=True)
 
     # -- 4. Input stream from the current step, writers and the watchdog ---------
     total_steps = config.total_steps
@@ -333,8 +334,8 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, parts: Part
                 if window is not None:
                     nonfinite.check(backend.fetch(window), done, count=False)
                 with clock.timed("checkpoint"), busy(done):
-                    checkpointer.save(done, backend.to_global(state), metrics=eval_metrics,
-                                      force=True)
+                    state = backend.with_global(state, functools.partial(
+                        checkpointer.save, done, metrics=eval_metrics, force=True))
             if preempted:
                 raise Preempted(done)
         if pending is not None:
@@ -349,4 +350,4 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, parts: Part
         writer.close()
     if not final_eval:  # resumed at the end: evaluate what was restored
         final_eval = run_eval(total_steps, state)
-    return TrainResult(final_eval, backend.to_global(state))
+    return TrainResult(final_eval, backend.to_global(state, consume=True))

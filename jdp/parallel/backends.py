@@ -111,10 +111,24 @@ class Backend:
         shardings = self.global_shardings(jax.eval_shape(init, rng, sample_inputs))
         return jax.jit(init, out_shardings=shardings)(rng, sample_inputs)
 
-    def from_global(self, state):
+    def from_global(self, state, *, consume: bool = False):
+        """The canonical state -> this backend's working layout. `consume`: the input is
+        not used again, so a backend that copies may free each leaf once copied."""
         return state
 
-    def to_global(self, state):
+    def to_global(self, state, *, consume: bool = False):
+        """The working layout -> the canonical state (see `from_global`)."""
+        return state
+
+    def with_global(self, state, use: Callable[[Any], None]):
+        """Calls `use(canonical state)` (a save) and returns the working state to go on
+        with. The state never exists twice in memory: a backend whose layouts differ
+        converts leaf by leaf, freeing each source leaf once copied, and back."""
+        global_state = self.to_global(state, consume=True)
+        try:
+            use(global_state)
+        finally:
+            state = self.from_global(global_state, consume=True)
         return state
 
     def abstract_working(self, abstract_state, example: dict, global_batch_size: int):
@@ -246,24 +260,25 @@ class PmapBackend(Backend):
                                     devices=devices)
         self._eval_step = jax.pmap(eval_step, axis_name=DATA_AXIS, devices=devices)
 
-    def from_global(self, state):
+    def from_global(self, state, *, consume: bool = False):
         """Replicated global arrays -> one replica per device, stacked on a leading axis."""
 
         def stack(x):
-            x = jax.device_put(x, mesh_lib.replicated(self.mesh))  # gathers ZeRO-sharded leaves
-            replicas = [shard.data[None] for shard in x.addressable_shards]
-            return jax.make_array_from_single_device_arrays(
-                (self.mesh.size, *x.shape), self._stacked, replicas)
+            replicated = jax.device_put(x, mesh_lib.replicated(self.mesh))  # gathers ZeRO leaves
+            replicas = [shard.data[None] for shard in replicated.addressable_shards]
+            return _free_after(jax.make_array_from_single_device_arrays(
+                (self.mesh.size, *x.shape), self._stacked, replicas), x, consume)
 
         return jax.tree.map(stack, state)
 
-    def to_global(self, state):
+    def to_global(self, state, *, consume: bool = False):
         """The per-device replicas -> replicated global arrays over the whole mesh."""
         sharding = mesh_lib.replicated(self.mesh)
 
         def unstack(x):
             replicas = [s.data[0] for s in x.addressable_shards]
-            return jax.make_array_from_single_device_arrays(x.shape[1:], sharding, replicas)
+            return _free_after(jax.make_array_from_single_device_arrays(
+                x.shape[1:], sharding, replicas), x, consume)
 
         return jax.tree.map(unstack, state)
 
@@ -293,6 +308,15 @@ class PmapBackend(Backend):
     def fetch(self, tree):
         # Every replica holds the same (reduced) value: read the first.
         return jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data[0]), tree)
+
+
+def _free_after(copy: jax.Array, source: jax.Array, free: bool) -> jax.Array:
+    """`copy`, having deleted `source` when `free`: a tree converted leaf by leaf then
+    holds at most one leaf twice. The runtime keeps the source's buffers alive until the
+    pending copy has read them."""
+    if free:
+        source.delete()
+    return copy
 
 
 BACKENDS = {"pjit": PjitBackend, "pmap": PmapBackend}
