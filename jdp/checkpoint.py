@@ -25,6 +25,32 @@ from orbax.checkpoint.checkpoint_manager import DEFAULT_ITEM_NAME
 
 PyTree = Any
 
+# Orbax's replica-parallel saving splits every replicated array into one slice per
+# replica (to spread the writing over hosts) and dispatches a device slice op for
+# each, before an async save may return: 4,752 ops for ViT-S + AdamW on 8 devices,
+# 0.72 s of the 0.73 s the loop stalled (a device-to-host copy of all 244 MiB takes
+# 9 ms). Arrays below this size are written whole by their first replica instead.
+_MIN_REPLICA_SLICE_BYTES = 4 * 2**20
+
+
+def _register_array_handler() -> None:
+    """Orbax's handler for jax.Array, with replica-parallel saving only for big arrays
+    (process-wide: Orbax keeps one registry; the on-disk format is unchanged)."""
+    try:  # the default handler's metadata store; not public in Orbax
+        from orbax.checkpoint._src.metadata import array_metadata_store
+
+        store = array_metadata_store.Store()
+    except ImportError:
+        store = None
+    ocp.type_handlers.register_type_handler(
+        jax.Array,
+        ocp.type_handlers.ArrayHandler(
+            array_metadata_store=store,
+            min_slice_bytes_for_replica_parallel=_MIN_REPLICA_SLICE_BYTES,
+        ),
+        override=True,
+    )
+
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be used: missing, damaged, or not matching the model."""
@@ -69,6 +95,7 @@ class Checkpointer:
             )
         if best_mode not in ("max", "min"):
             raise ValueError(f"checkpoint best_mode ({best_mode!r}) must be 'max' or 'min'.")
+        _register_array_handler()
         self._every_steps = every_steps
         self._best_metric = best_metric
         best_fn = None if best_metric is None else operator.itemgetter(best_metric)
