@@ -78,13 +78,16 @@ def test_weighted_lm_loss_on_two_processes_follows_one_process(tmp_path):
                         reference_result.state.params)
 
 
-def test_a_one_process_checkpoint_resumes_on_two_processes_with_a_hybrid_mesh(one_process,
-                                                                             tmp_path):
+def test_a_one_process_checkpoint_resumes_on_two_processes_with_a_hybrid_mesh_and_fsdp(
+        one_process, tmp_path):
+    # Replicated state saved by one process, restored split over 4 devices of 2 processes
+    # (FSDP: params gathered and gradients reduce-scattered across the processes).
     reference_result, reference, reference_dir = one_process
     workdir = tmp_path / "moved"
     shutil.copytree(reference_dir / "checkpoints" / "4", workdir / "checkpoints" / "4")
     shutil.copy(reference_dir / "config.json", workdir / "config.json")
     proc = launch_local(workdir, 2, "--config.parallel.mesh=hybrid",
+                        "--config.parallel.shard_params=true",
                         "--config.checkpoint.every_steps=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stderr and "over 4 devices in 2 processes" in proc.stderr
