@@ -19,7 +19,6 @@ from absl import logging
 from jdp import distributed, modeling, optim, profiling
 from jdp import mesh as mesh_lib
 from jdp import metrics as metrics_lib
-from jdp import task as task_lib
 from jdp.checkpoint import Checkpointer, DamagedCheckpointError, load_params
 from jdp.config import BatchPlan
 from jdp.data import pipeline
@@ -166,15 +165,17 @@ def _initial_state(backend: Backend, checkpointer: Checkpointer, rng, sample_inp
     return state
 
 
-def build_backend(config, mesh, model: modeling.Model, task: task_lib.Task, tx) -> Backend:
-    """The configured parallel backend for `model`, `task` and optimizer `tx` over `mesh`."""
-    return make_backend(config.parallel.backend, mesh, model, task, tx, StepOptions(
+def build_backend(config, mesh, parts: Parts, tx) -> Backend:
+    """The configured parallel backend for the experiment's `parts` (model, task and the
+    data's device preprocessing) and optimizer `tx` over `mesh`."""
+    return make_backend(config.parallel.backend, mesh, parts.model, parts.task, tx, StepOptions(
         accum_steps=config.grad_accum_steps,
         reduce_dtype=config.parallel.grad_reduce_dtype,
         shard_optimizer_state=config.parallel.shard_optimizer_state,
         shard_params=config.parallel.shard_params,
         compiler_options=compiler_options(mesh.devices.flat[0].platform, config.remat),
         learning_rate_fn=optim.learning_rate_fn(config),
+        device_preprocess=parts.data.device_preprocess,
     ))
 
 
@@ -200,8 +201,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, parts: Part
 
     # -- 3. Model, optimizer, backend and the initial state ----------------------
     learning_rate = optim.learning_rate_fn(config)
-    backend = build_backend(config, mesh, parts.model, parts.task,
-                            experiment.build_optimizer(config, learning_rate))
+    backend = build_backend(config, mesh, parts, experiment.build_optimizer(config, learning_rate))
     checkpointer = Checkpointer(
         os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR),
         every_steps=config.checkpoint.every_steps, max_to_keep=config.checkpoint.max_to_keep,

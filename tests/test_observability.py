@@ -68,7 +68,7 @@ def test_norms_and_learning_rate_come_from_the_step(every_step):
     config = load_config(VIT, *TINY)
     exp = experiment.load(VIT)
     parts = experiment.build(exp, config)
-    backend = build_backend(config, make_mesh(), parts.model, parts.task,
+    backend = build_backend(config, make_mesh(), parts,
                             exp.build_optimizer(config, optim.learning_rate_fn(config)))
     state = jax.device_get(backend.init_global(jax.random.key(config.seed),
                                                parts.sample_inputs()))
