@@ -23,6 +23,7 @@ import os
 import sys
 from collections.abc import Callable
 
+import cloudpickle
 import jax
 import numpy as np
 
@@ -64,6 +65,9 @@ def load(path: str) -> Experiment:
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    # Worker processes (data.num_workers) cannot import this module by its made-up
+    # name, so its functions and classes (e.g. the preprocessing) travel by value.
+    cloudpickle.register_pickle_by_value(module)
     spec.loader.exec_module(module)
     if not callable(getattr(module, "build_model", None)):
         raise ConfigError(f"--config={path!r}: the experiment file defines no build_model(config, "
@@ -104,6 +108,9 @@ def build(experiment: Experiment, config) -> Parts:
     """
     data = _call(experiment, "build_data", config)
     sample = data_core.check(data, experiment.hook_name("build_data"))
+    if config.data.num_workers:
+        data_core.check_picklable(data, experiment.hook_name("build_data"),
+                                  config.data.num_workers)
     task = _call(experiment, "build_task", config)
     if not isinstance(task, task_lib.Task):
         raise ConfigError(f"{experiment.hook_name('build_task')} returned "

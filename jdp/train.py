@@ -34,16 +34,18 @@ def _should(step: int, every: int, total: int) -> bool:
 
 
 def evaluate(backend: Backend, state, source, preprocess, *, global_batch_size: int,
-             rows: slice, num_threads: int, heartbeat=lambda: None) -> dict[str, float]:
+             rows: slice, num_threads: int, num_workers: int = 0,
+             heartbeat=lambda: None) -> dict[str, float]:
     """The task's loss and every metric over the whole split, each example exactly once
     (padding masked out): `eval/<name>` = sum(value * weight) / sum(weight)."""
     totals = None
     batches = pipeline.eval_batches(source, preprocess, global_batch_size=global_batch_size,
-                                    rows=rows, num_threads=num_threads)
-    for local_batch in batches:
-        heartbeat()
-        sums = backend.eval_step(state, backend.put_batch(local_batch))
-        totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
+                                    rows=rows, num_threads=num_threads, num_workers=num_workers)
+    with contextlib.closing(batches):  # its workers stop also when the loop is left early
+        for local_batch in batches:
+            heartbeat()
+            sums = backend.eval_step(state, backend.put_batch(local_batch))
+            totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
     sums, count = backend.fetch(totals)
     result = {f"eval/{name}": float(total) / float(weight) if weight else 0.0
               for name, (total, weight) in sums.items()}
@@ -220,7 +222,8 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, parts: Part
     batches = pipeline.Prefetcher(
         pipeline.train_batches(stream, global_batch_size=plan.global_batch_size, rows=rows,
                                start_step=start_step, num_steps=total_steps - start_step,
-                               num_threads=config.data.num_threads),
+                               num_threads=config.data.num_threads,
+                               num_workers=config.data.num_workers),
         backend.put_batch)
     writer = _writers(config, workdir, is_writer, start_step)
     clock = metrics_lib.WindowClock(plan.global_batch_size, mesh.size)
@@ -242,6 +245,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, parts: Part
             result = evaluate(backend, state, data.eval, data.preprocess_for(train=False),
                               global_batch_size=eval_batch_size, rows=eval_rows,
                               num_threads=config.data.num_threads,
+                              num_workers=config.data.num_workers,
                               heartbeat=lambda: heartbeat(step))
         metrics_lib.log_eval(step, result)
         writer.write(step, result)

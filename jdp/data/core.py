@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import cloudpickle
 import numpy as np
 
 from jdp.errors import ConfigError
@@ -107,3 +108,18 @@ def check(data: Data, where: str) -> dict[str, np.ndarray]:
                 "must give the same keys, shapes and dtypes to be batched. Fix: pad, crop or "
                 "resize to one shape in the preprocessing.")
     return next(example for split, _, example in examples if split == "eval")
+
+
+def check_picklable(data: Data, where: str, num_workers: int) -> None:
+    """Worker processes receive the sources and the preprocessing by pickle (cloudpickle):
+    fails here, before anything starts, naming what cannot be sent."""
+    for name in ("train", "eval", "preprocess", "eval_preprocess"):
+        try:
+            cloudpickle.dumps(getattr(data, name))
+        except Exception as e:  # noqa: BLE001 - pickling raises many types; all mean the same
+            raise ConfigError(
+                f"config.data.num_workers={num_workers}: the {name} of {where} cannot be sent "
+                f"to worker processes ({type(e).__name__}: {e}). Fix: build it from picklable "
+                "parts (open files, locks and clients lazily, inside the function, not in "
+                "build_data), or pass --config.data.num_workers=0 to prepare the data with "
+                "threads of the training process.") from e
