@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "overhead": "steps",
     "scaling": "steps",
     "checkpoint": "checkpoint",
+    "input": "input",
 }
 
 
