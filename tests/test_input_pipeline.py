@@ -1,6 +1,8 @@
-"""Worker processes (`data.num_workers`) prepare exactly the batches threads prepare, from
-any step; they survive a SIGTERM meant for the trainer, never outlive it, and what cannot
-be sent to them fails before training with one line naming the field."""
+"""The input pipeline around the sampler. Worker processes (`data.num_workers`) prepare
+exactly the batches threads prepare, from any step; they survive a SIGTERM meant for the
+trainer, never outlive it, and what cannot be sent to them fails before training with one
+line naming the field. A data's `device_preprocess` decides what the model is initialised
+and traced with, and its mistakes are named before training."""
 
 import multiprocessing
 import os
@@ -130,7 +132,7 @@ def test_workers_of_a_trainer_that_died_without_cleanup_exit_by_themselves():
             os.kill(pid, signal.SIGKILL)
 
 
-UNPICKLABLE = '''
+USER_EXPERIMENT = '''
     import threading
 
     import flax.linen as nn
@@ -154,7 +156,17 @@ UNPICKLABLE = '''
     def double(example, rng):  # a function of this file: sent to the workers by value
         return {"image": 2 * example["image"], "label": example["label"]}
 
+    def to_float(batch):  # on the device: "raw" uint8 -> the model's "image"
+        return {"image": batch["raw"].astype(np.float32) / 255, "label": batch["label"]}
+
     def build_data(config):
+        if config.mistake in ("device", "device_key"):
+            def preprocess(example, rng):
+                return {"raw": example["image"].astype(np.uint8), "label": example["label"]}
+
+            device = to_float if config.mistake == "device" else lambda batch: batch["pixels"]
+            return Data(train=Source(), eval=Source(), preprocess=preprocess, num_classes=2,
+                        device_preprocess=device)
         if config.mistake == "lock":
             lock = threading.Lock()
 
@@ -180,7 +192,7 @@ UNPICKLABLE = '''
 @pytest.fixture
 def experiment_file(tmp_path):
     path = tmp_path / "user.py"
-    path.write_text(textwrap.dedent(UNPICKLABLE))
+    path.write_text(textwrap.dedent(USER_EXPERIMENT))
     return str(path)
 
 
@@ -204,3 +216,19 @@ def test_the_experiment_files_own_preprocess_runs_in_the_workers(experiment_file
     finally:
         batches.close()
     assert sorted(images_[:, 0].tolist()) == [2.0 * i for i in range(8)]
+
+
+def test_the_model_is_initialised_with_what_device_preprocess_returns(experiment_file):
+    parts = experiment.build(experiment.load(experiment_file),
+                             load_config(f"{experiment_file}:device"))
+    assert parts.sample["raw"].dtype == np.uint8  # what the host ships
+    (inputs,) = parts.sample_inputs()
+    assert inputs.dtype == np.float32 and inputs.shape == (1, 4)
+
+
+def test_a_device_preprocess_reading_a_missing_feature_is_named_before_training(
+        experiment_file):
+    with pytest.raises(ConfigError, match=r"the device_preprocess of build_data\(\) in "
+                       r".*user\.py failed .*\['label', 'raw'\].*KeyError: 'pixels'.*Fix:"):
+        experiment.build(experiment.load(experiment_file),
+                         load_config(f"{experiment_file}:device_key"))
