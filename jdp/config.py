@@ -67,7 +67,10 @@ def defaults() -> ml_collections.ConfigDict:
     c.data.mean = ()  # per channel, on the 0..1 scale
     c.data.std = ()
     c.data.augment = False
-    c.data.num_threads = 4
+    c.data.num_threads = 4  # threads preparing batches in the trainer (num_workers=0)
+    # > 0: worker processes prepare the batches instead (CPU-heavy decoding, e.g. JPEG:
+    # threads share one GIL); the example stream is the same for any value.
+    c.data.num_workers = 0
 
     c.parallel = ml_collections.ConfigDict()
     c.parallel.backend = "pjit"
@@ -183,7 +186,8 @@ def validate(config: ml_collections.ConfigDict, device_count: int, process_count
     _check_choice(config, "lr_scaling", LR_SCALINGS)
     _check_choice(config, "remat", REMAT_POLICIES)
     _check_choice(config, "checkpoint.keep_best_mode", ("max", "min"))
-    for field in ("data.num_classes", "data.image_size"):
+    for field in ("data.num_classes", "data.image_size", "data.num_threads",
+                  "data.num_workers"):
         _check_positive(config, field, allow_zero=True)
     if config.parallel.backend == "pmap":
         for field in ("shard_optimizer_state", "shard_params"):
@@ -226,7 +230,7 @@ def scaled_learning_rate(
 RESUMABLE_CHANGES = ("total_steps", "log_every_steps", "eval_every_steps", "eval_batch_size",
                      "crash_on_nan", "skip_nonfinite_steps", "tensorboard", "profile",
                      "watchdog_timeout_s", "checkpoint", "parallel", "data.data_dir",
-                     "data.num_threads", "compile_cache_dir")
+                     "data.num_threads", "data.num_workers", "compile_cache_dir")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -23,6 +23,7 @@ import os
 import sys
 from collections.abc import Callable
 
+import cloudpickle
 import jax
 import numpy as np
 
@@ -64,6 +65,9 @@ def load(path: str) -> Experiment:
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    # Worker processes (data.num_workers) cannot import this module by its made-up
+    # name, so its functions and classes (e.g. the preprocessing) travel by value.
+    cloudpickle.register_pickle_by_value(module)
     spec.loader.exec_module(module)
     if not callable(getattr(module, "build_model", None)):
         raise ConfigError(f"--config={path!r}: the experiment file defines no build_model(config, "
@@ -81,13 +85,18 @@ class Parts:
     data: Data
     task: task_lib.Task
     model: modeling.Model
-    sample: dict[str, np.ndarray]  # one preprocessed eval example
+    sample: dict[str, np.ndarray]  # one preprocessed eval example, as the host ships it
     metric_names: tuple[str, ...] = ()  # the eval objective's metrics, besides the loss
 
     def sample_inputs(self) -> tuple:
-        """The model inputs for initialisation: zeros of one example's shapes."""
-        return tuple(np.zeros((1, *np.shape(value)), np.asarray(value).dtype)
-                     for value in self.task.model_inputs(self.sample))
+        """The model inputs for initialisation: zeros of one example's shapes, as the model
+        sees them (after the data's device_preprocess: e.g. float32 images, not uint8)."""
+        batch = {key: np.zeros((1, *np.shape(value)), np.asarray(value).dtype)
+                 for key, value in self.sample.items()}
+        if self.data.device_preprocess is not None:
+            batch = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
+                                 jax.eval_shape(self.data.device_preprocess, batch))
+        return self.task.model_inputs(batch)
 
 
 def build(experiment: Experiment, config) -> Parts:
@@ -99,6 +108,9 @@ def build(experiment: Experiment, config) -> Parts:
     """
     data = _call(experiment, "build_data", config)
     sample = data_core.check(data, experiment.hook_name("build_data"))
+    if config.data.num_workers:
+        data_core.check_picklable(data, experiment.hook_name("build_data"),
+                                  config.data.num_workers)
     task = _call(experiment, "build_task", config)
     if not isinstance(task, task_lib.Task):
         raise ConfigError(f"{experiment.hook_name('build_task')} returned "
@@ -122,19 +134,40 @@ def _call(experiment: Experiment, hook: str, config):
         raise ConfigError(f"{experiment.hook_name(hook)} failed: {type(e).__name__}: {e}") from e
 
 
+def _device_features(experiment: Experiment, parts: Parts, batch: dict) -> list[str]:
+    """The features of `batch` after the data's device_preprocess (traced, not run)."""
+    if parts.data.device_preprocess is None:
+        return sorted(batch)
+    where = f"the device_preprocess of {experiment.hook_name('build_data')}"
+    try:
+        features = jax.eval_shape(parts.data.device_preprocess, batch)
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
+        raise ConfigError(
+            f"{where} failed on a batch of the preprocessed examples (features "
+            f"{sorted(batch)}): {type(e).__name__}: {e}. Fix: make it a jittable function "
+            "of the batch dict that returns a dict of the features.") from e
+    if not isinstance(features, dict):
+        raise ConfigError(f"{where} returned {type(features).__name__}. Fix: return the batch "
+                          "dict with the features changed: {**batch, 'image': ...}.")
+    return sorted(features)
+
+
 def _check_task(experiment: Experiment, parts: Parts) -> task_lib.Objective:
     """Traces model + objectives on a two-example batch; returns the abstract eval objective."""
     task_name = experiment.hook_name("build_task")
-    missing = [name for name in parts.task.inputs if name not in parts.sample]
+    rows = 2
+    batch = {key: np.stack([value] * rows) for key, value in parts.sample.items()}
+    features = _device_features(experiment, parts, batch)
+    missing = [name for name in parts.task.inputs if name not in features]
     if missing:
         raise ConfigError(
             f"{task_name}: the model inputs {missing} are not features of the preprocessed "
-            f"examples (they have {sorted(parts.sample)}). Fix: name those features in "
+            f"examples (they have {features}). Fix: name those features in "
             "Task(inputs=...), or return them from the preprocessing in build_data.")
-    rows = 2
-    batch = {key: np.stack([value] * rows) for key, value in parts.sample.items()}
 
     def trace(batch):
+        if parts.data.device_preprocess is not None:
+            batch = parts.data.device_preprocess(batch)
         rng = jax.random.key(0)
         params, model_state = parts.model.init(rng, parts.task.model_inputs(batch))
         outputs, _ = parts.model.apply(params, model_state, parts.task.model_inputs(batch),
@@ -152,7 +185,7 @@ def _check_task(experiment: Experiment, parts: Parts) -> task_lib.Objective:
     except KeyError as e:
         raise ConfigError(
             f"{task_name}: the objective reads batch[{e.args[0]!r}], which the preprocessing "
-            f"does not return (it gives {sorted(parts.sample)}). Fix: return that feature from "
+            f"does not return (it gives {features}). Fix: return that feature from "
             "the preprocessing, or read one of those.") from e
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{task_name}: calling the model and the objective on a batch of "

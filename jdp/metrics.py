@@ -220,6 +220,11 @@ def peak_flops_per_s(device_kind: str) -> float | None:
     return None
 
 
+def known_device_kinds() -> tuple[str, ...]:
+    """The device kinds (prefixes) whose peak `peak_flops_per_s` knows."""
+    return tuple(prefix for prefix, _ in _PEAK_BF16_FLOPS)
+
+
 def compute_metrics(flops_per_step: float | None, model_flops_per_step: float | None,
                     step_time_s: float, peak: float | None) -> dict[str, float]:
     """FLOP/s per device: XLA's count of the compiled step (hardware FLOPs, remat

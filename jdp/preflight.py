@@ -41,7 +41,7 @@ def preflight(config, experiment: Experiment, parts: Parts, plan: BatchPlan, dev
     none); `step_time_s` is a measured step time for the scaling estimate.
     """
     mesh = mesh_lib.make_mesh(config.parallel.mesh, devices)
-    backend = build_backend(config, mesh, parts.model, parts.task,
+    backend = build_backend(config, mesh, parts,
                             experiment.build_optimizer(config, optim.learning_rate_fn(config)))
     abstract = backend.abstract_state(jax.random.key(config.seed), parts.sample_inputs())
     state, batch = backend.abstract_working(abstract, parts.sample, plan.global_batch_size)

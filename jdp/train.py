@@ -20,7 +20,6 @@ from absl import logging
 from jdp import distributed, modeling, optim, profiling
 from jdp import mesh as mesh_lib
 from jdp import metrics as metrics_lib
-from jdp import task as task_lib
 from jdp.checkpoint import Checkpointer, DamagedCheckpointError, load_params
 from jdp.config import BatchPlan
 from jdp.data import pipeline
@@ -36,16 +35,18 @@ def _should(step: int, every: int, total: int) -> bool:
 
 
 def evaluate(backend: Backend, state, source, preprocess, *, global_batch_size: int,
-             rows: slice, num_threads: int, heartbeat=lambda: None) -> dict[str, float]:
+             rows: slice, num_threads: int, num_workers: int = 0,
+             heartbeat=lambda: None) -> dict[str, float]:
     """The task's loss and every metric over the whole split, each example exactly once
     (padding masked out): `eval/<name>` = sum(value * weight) / sum(weight)."""
     totals = None
     batches = pipeline.eval_batches(source, preprocess, global_batch_size=global_batch_size,
-                                    rows=rows, num_threads=num_threads)
-    for local_batch in batches:
-        heartbeat()
-        sums = backend.eval_step(state, backend.put_batch(local_batch))
-        totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
+                                    rows=rows, num_threads=num_threads, num_workers=num_workers)
+    with contextlib.closing(batches):  # its workers stop also when the loop is left early
+        for local_batch in batches:
+            heartbeat()
+            sums = backend.eval_step(state, backend.put_batch(local_batch))
+            totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
     sums, count = backend.fetch(totals)
     result = {f"eval/{name}": float(total) / float(weight) if weight else 0.0
               for name, (total, weight) in sums.items()}
@@ -167,9 +168,10 @@ def _initial_state(backend: Backend, checkpointer: Checkpointer, rng, sample_inp
     return state
 
 
-def build_backend(config, mesh, model: modeling.Model, task: task_lib.Task, tx) -> Backend:
-    """The configured parallel backend for `model`, `task` and optimizer `tx` over `mesh`."""
-    return make_backend(config.parallel.backend, mesh, model, task, tx, StepOptions(
+def build_backend(config, mesh, parts: Parts, tx) -> Backend:
+    """The configured parallel backend for the experiment's `parts` (model, task and the
+    data's device preprocessing) and optimizer `tx` over `mesh`."""
+    return make_backend(config.parallel.backend, mesh, parts.model, parts.task, tx, StepOptions(
         accum_steps=config.grad_accum_steps,
         reduce_dtype=config.parallel.grad_reduce_dtype,
         shard_optimizer_state=config.parallel.shard_optimizer_state,
@@ -177,6 +179,7 @@ def build_backend(config, mesh, model: modeling.Model, task: task_lib.Task, tx) 
         compiler_options=compiler_options(mesh.devices.flat[0].platform, config.remat,
                                           config.parallel.shard_params),
         learning_rate_fn=optim.learning_rate_fn(config),
+        device_preprocess=parts.data.device_preprocess,
     ))
 
 
@@ -202,8 +205,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, parts: Part
 
     # -- 3. Model, optimizer, backend and the initial state ----------------------
     learning_rate = optim.learning_rate_fn(config)
-    backend = build_backend(config, mesh, parts.model, parts.task,
-                            experiment.build_optimizer(config, learning_rate))
+    backend = build_backend(config, mesh, parts, experiment.build_optimizer(config, learning_rate))
     checkpointer = Checkpointer(
         os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR),
         every_steps=config.checkpoint.every_steps, max_to_keep=config.checkpoint.max_to_keep,
@@ -222,7 +224,8 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, parts: Part
     batches = pipeline.Prefetcher(
         pipeline.train_batches(stream, global_batch_size=plan.global_batch_size, rows=rows,
                                start_step=start_step, num_steps=total_steps - start_step,
-                               num_threads=config.data.num_threads),
+                               num_threads=config.data.num_threads,
+                               num_workers=config.data.num_workers),
         backend.put_batch)
     writer = _writers(config, workdir, is_writer, start_step)
     clock = metrics_lib.WindowClock(plan.global_batch_size, mesh.size)
@@ -244,6 +247,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, parts: Part
             result = evaluate(backend, state, data.eval, data.preprocess_for(train=False),
                               global_batch_size=eval_batch_size, rows=eval_rows,
                               num_threads=config.data.num_threads,
+                              num_workers=config.data.num_workers,
                               heartbeat=lambda: heartbeat(step))
         metrics_lib.log_eval(step, result)
         writer.write(step, result)

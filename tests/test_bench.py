@@ -24,6 +24,9 @@ TINY = {
                    r"^checkpoint: async stall / synchronous stall = \d+\.\d+$"),
     "compile": (["--model=nano", "--batch_size=16", "--repeats=1"],
                 r"^compile: cold first-step compile s / warm = \d+\.\d\d$"),
+    "input": (["--data_dir={tmp_path}", "--num_images=32", "--batch_size=8", "--examples=16",
+               "--max_workers=1", "--repeats=1"],
+              r"^input: \d+ workers / 1 worker examples/s = \d+\.\d+$"),
 }
 
 
@@ -32,8 +35,8 @@ def test_every_subcommand_has_a_smoke_test():
 
 
 @pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
-def test_subcommand_runs_and_prints_its_summary_last(name, capsys):
+def test_subcommand_runs_and_prints_its_summary_last(name, capsys, tmp_path):
     argv, summary = TINY[name]
-    main([name, *argv])
+    main([name, *(arg.format(tmp_path=tmp_path) for arg in argv)])
     lines = capsys.readouterr().out.strip().splitlines()
     assert re.match(summary, lines[-1]), lines[-5:]

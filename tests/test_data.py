@@ -1,6 +1,7 @@
 """The sampler: global batch s is a pure function of (seed, s), split by rows over processes;
 evaluation covers every example exactly once."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -100,15 +101,28 @@ def test_a_missing_tfds_dataset_names_it_and_the_data_dir(tmp_path):
         tfds_source.builder("cifar10", str(tmp_path))
 
 
-def test_preprocessing_normalises_and_augments_within_the_image():
+def test_preprocessing_ships_uint8_and_the_device_normalises():
     spec = images.PRESETS["digits"].image
     example = {"image": np.full((8, 8, 1), 255, np.uint8), "label": 3}
     plain = images.make_preprocess(spec, train=False, augment=False)(example, None)
-    assert plain["image"].dtype == np.float32 and plain["image"].shape == (8, 8, 1)
-    np.testing.assert_allclose(plain["image"], 1.0)  # (1 - 0.5) / 0.5
+    assert plain["image"].dtype == np.uint8 and plain["image"].shape == (8, 8, 1)
+    normalised = jax.jit(images.make_normalise(spec))({k: v[None] for k, v in plain.items()})
+    assert normalised["image"].dtype == np.float32
+    np.testing.assert_allclose(normalised["image"], 1.0, rtol=1e-6)  # (1 - 0.5) / 0.5
+    assert normalised["label"] == 3  # other features pass through
     augmented = images.make_preprocess(spec, train=True, augment=True)(
         example, np.random.default_rng(0))
-    assert augmented["image"].shape == (8, 8, 1)
+    assert augmented["image"].shape == (8, 8, 1) and augmented["image"].dtype == np.uint8
+
+
+@pytest.mark.parametrize("name", ["digits", "cifar10", "imagenet2012"])
+def test_normalising_on_the_device_equals_the_host_float32_normalisation(name):
+    spec = images.PRESETS[name].image
+    pixels = np.random.default_rng(0).integers(0, 256, (16, 32, 32, spec.channels), np.uint8)
+    host = (pixels.astype(np.float32) / 255.0 - np.asarray(spec.mean, np.float32)) / \
+        np.asarray(spec.std, np.float32)  # what the host computed before images went as uint8
+    device = jax.jit(images.make_normalise(spec))({"image": pixels})["image"]
+    np.testing.assert_allclose(device, host, rtol=0, atol=1e-6)
 
 
 def test_imagenet_preprocessing_resizes_and_crops_any_image_to_the_model_size():
@@ -117,8 +131,49 @@ def test_imagenet_preprocessing_resizes_and_crops_any_image_to_the_model_size():
     for train, augment in [(False, False), (True, True)]:
         out = images.make_preprocess(spec, train=train, augment=augment)(
             {"image": image, "label": 7}, np.random.default_rng(1))
-        assert out["image"].shape == (224, 224, 3) and out["image"].dtype == np.float32
+        assert out["image"].shape == (224, 224, 3) and out["image"].dtype == np.uint8
         assert out["label"] == 7
+
+
+@pytest.mark.parametrize("height, width", [(375, 500), (500, 375), (64, 64), (40, 400),
+                                           (400, 40)])
+def test_random_resized_crop_covers_8_to_100_percent_at_a_3_4_to_4_3_aspect(height, width):
+    for seed in range(200):
+        top, left, crop_height, crop_width = images.random_resized_crop_box(
+            height, width, np.random.default_rng(seed))
+        assert 0 <= top and top + crop_height <= height
+        assert 0 <= left and left + crop_width <= width
+        # Rounding each side to whole pixels moves area and aspect by up to half a pixel.
+        slack_h, slack_w = 0.5 / crop_height, 0.5 / crop_width
+        area = crop_height * crop_width / (height * width)
+        assert images.CROP_AREA[0] * (1 - slack_h) * (1 - slack_w) <= area <= 1
+        aspect = crop_width / crop_height
+        assert images.CROP_ASPECT[0] * (1 - slack_w) / (1 + slack_h) <= aspect
+        assert aspect <= images.CROP_ASPECT[1] * (1 + slack_w) / (1 - slack_h)
+
+
+def test_random_resized_crop_is_a_function_of_the_generator():
+    def box(seed):
+        return images.random_resized_crop_box(375, 500, np.random.default_rng(seed))
+
+    assert box(3) == box(3)
+    assert len({box(seed) for seed in range(20)}) > 15
+    spec = images.PRESETS["imagenet2012"].image
+    image = np.random.default_rng(0).integers(0, 256, (375, 500, 3), dtype=np.uint8)
+    train = images.make_preprocess(spec, train=True, augment=True)
+    first, again, other = (train({"image": image, "label": 0}, np.random.default_rng(seed))
+                           for seed in (5, 5, 6))
+    np.testing.assert_array_equal(first["image"], again["image"])
+    assert (first["image"] != other["image"]).any()
+
+
+def test_imagenet_evaluation_resizes_the_shorter_side_then_takes_the_center():
+    spec = images.PRESETS["imagenet2012"].image
+    image = np.zeros((300, 600, 3), np.uint8)
+    image[:, 300:] = 255  # right half white: the center crop is half black, half white
+    out = images.make_preprocess(spec, train=False, augment=False)(
+        {"image": image, "label": 0}, None)["image"]
+    assert (out[:, :100] == 0).all() and (out[:, 124:] == 255).all()
 
 
 def test_encoded_images_are_decoded():
@@ -129,8 +184,9 @@ def test_encoded_images_are_decoded():
     buffer = io.BytesIO()
     Image.fromarray(np.full((32, 32, 3), 200, np.uint8)).save(buffer, format="PNG")
     spec = images.PRESETS["cifar10"].image
-    out = images.make_preprocess(spec, train=False, augment=False)(
-        {"image": buffer.getvalue(), "label": 1}, None)
-    assert out["image"].shape == (32, 32, 3)
-    np.testing.assert_allclose(out["image"][0, 0], (200 / 255 - np.array(spec.mean)) /
-                               np.array(spec.std), rtol=1e-5)
+    preprocess = images.make_preprocess(spec, train=False, augment=False)
+    # bytes, or a uint8 vector (as files store them)
+    for encoded in (buffer.getvalue(), np.frombuffer(buffer.getvalue(), np.uint8)):
+        out = preprocess({"image": encoded, "label": 1}, None)
+        assert out["image"].shape == (32, 32, 3)
+        np.testing.assert_array_equal(out["image"], 200)

@@ -52,7 +52,7 @@ def test_the_loss_is_the_global_weighted_mean_not_a_mean_of_device_means():
     config = load_config(LM, *SMALL)
     exp = experiment.load(LM)
     parts = experiment.build(exp, config)
-    backend = build_backend(config, make_mesh(), parts.model, parts.task,
+    backend = build_backend(config, make_mesh(), parts,
                             exp.build_optimizer(config, optim.learning_rate_fn(config)))
     state = backend.init_global(jax.random.key(0), parts.sample_inputs())
     examples = [parts.data.train[i] for i in range(64)]

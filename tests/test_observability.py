@@ -68,14 +68,15 @@ def test_norms_and_learning_rate_come_from_the_step(every_step):
     config = load_config(VIT, *TINY)
     exp = experiment.load(VIT)
     parts = experiment.build(exp, config)
-    backend = build_backend(config, make_mesh(), parts.model, parts.task,
+    backend = build_backend(config, make_mesh(), parts,
                             exp.build_optimizer(config, optim.learning_rate_fn(config)))
     state = jax.device_get(backend.init_global(jax.random.key(config.seed),
                                                parts.sample_inputs()))
     stream = pipeline.example_stream(parts.data.train, parts.data.preprocess_for(train=True),
                                      config.seed)
-    batch = next(pipeline.train_batches(stream, global_batch_size=64, rows=slice(0, 64),
-                                        start_step=0, num_steps=1, num_threads=1))
+    batch = parts.data.device_preprocess(next(pipeline.train_batches(
+        stream, global_batch_size=64, rows=slice(0, 64), start_step=0, num_steps=1,
+        num_threads=1)))
 
     def loss(params):
         outputs, _ = parts.model.apply(params, state.model_state,

@@ -1,5 +1,6 @@
 """The real trainer end to end on digits, with tiny settings."""
 
+import multiprocessing
 import textwrap
 
 import jax
@@ -42,6 +43,15 @@ def test_the_same_command_twice_gives_identical_losses(vit_run, tmp_path):
     _, records, _ = vit_run
     _, again = train(VIT, tmp_path, *TINY)
     assert losses(again) == losses(records)
+
+
+def test_worker_processes_give_the_same_run_and_none_is_left_behind(vit_run, tmp_path):
+    result, records, _ = vit_run
+    workers_before = multiprocessing.active_children()
+    with_workers, again = train(VIT, tmp_path, *TINY, "--config.data.num_workers=2")
+    assert losses(again) == losses(records)
+    assert with_workers.eval_metrics == result.eval_metrics
+    assert multiprocessing.active_children() == workers_before
 
 
 def test_the_final_state_is_global_and_counts_the_steps(vit_run):

@@ -4,6 +4,7 @@
     python -m jdp.bench scaling      # examples/s of the same model at 1, 2, 4, 8 devices
     python -m jdp.bench checkpoint   # how long a save stalls training: async vs synchronous
     python -m jdp.bench compile      # the train step's compile: empty vs warm compilation cache
+    python -m jdp.bench input        # input pipeline examples/s: threads vs worker processes
 
 Each subcommand lives in its own module of this package, which defines
 `add_arguments(parser)` and `run(args)`; it prints one line per measurement

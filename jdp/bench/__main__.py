@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "checkpoint": "checkpoint",
     "memory": "memory",
     "compile": "compile",
+    "input": "input",
 }
 
 

@@ -3,9 +3,10 @@
 An experiment file may define `build_data(config) -> jdp.data.Data`: train and
 eval *sources* (anything with `__len__` and `__getitem__(index) -> dict`: a
 TFDS data source, a grain source, `jdp.data.files` sources, numpy arrays
-wrapped in a class) and the per-example preprocessing. jdp keeps the rest:
-the global-index sampler, each process reading only its rows, padding and a
-mask for evaluation, prefetching and resuming at a step.
+wrapped in a class), the per-example preprocessing on the host and, optionally,
+a batch preprocessing on the device. jdp keeps the rest: the global-index
+sampler, each process reading only its rows, padding and a mask for
+evaluation, worker processes, prefetching and resuming at a step.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import cloudpickle
 import numpy as np
 
 from jdp.errors import ConfigError
@@ -21,6 +23,8 @@ from jdp.errors import ConfigError
 # (example, rng) -> dict of numpy arrays. rng is a numpy Generator seeded by
 # (seed, global example index) for training and None for evaluation.
 Preprocess = Callable[[dict, "np.random.Generator | None"], dict]
+# batch -> batch, traced inside the compiled train and eval steps.
+DevicePreprocess = Callable[[dict], dict]
 
 # How many examples of each split are preprocessed at start to check shapes.
 _CHECKED_EXAMPLES = 4
@@ -35,8 +39,16 @@ def _identity(example: dict, rng) -> dict:
 class Data:
     """The train and eval sources and how one example becomes model inputs.
 
-    `eval_preprocess` defaults to `preprocess` (called with rng=None).
-    `num_classes` is passed to `build_model(config, *, num_classes)` when it asks.
+    `preprocess` runs on the host, per example (in worker processes with
+    `data.num_workers`, so it must be picklable). `eval_preprocess` defaults to
+    `preprocess` (called with rng=None). `device_preprocess`, if given, is a
+    jittable function of a batch dict (one device's rows, or all of them) that
+    runs inside the compiled train and eval steps before the model and the
+    objective see the batch: do the cheap elementwise work there (e.g. uint8
+    pixels -> normalised float32) so that fewer bytes cross to the device. It
+    must treat rows independently and return every feature the model and the
+    objective read. `num_classes` is passed to `build_model(config, *,
+    num_classes)` when it asks.
     """
 
     train: Any
@@ -44,6 +56,7 @@ class Data:
     preprocess: Preprocess = _identity
     eval_preprocess: Preprocess | None = None
     num_classes: int | None = None
+    device_preprocess: DevicePreprocess | None = None
 
     def preprocess_for(self, train: bool) -> Preprocess:
         if train or self.eval_preprocess is None:
@@ -65,6 +78,9 @@ def check(data: Data, where: str) -> dict[str, np.ndarray]:
     if not isinstance(data, Data):
         raise ConfigError(f"{where} returned {type(data).__name__}. Fix: return "
                           "jdp.data.Data(train=..., eval=..., preprocess=...).")
+    if data.device_preprocess is not None and not callable(data.device_preprocess):
+        raise ConfigError(f"{where}: device_preprocess is a {type(data.device_preprocess).__name__}"
+                          ". Fix: pass a jittable function batch -> batch, or None.")
     examples = []
     for split, source in (("train", data.train), ("eval", data.eval)):
         if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
@@ -92,3 +108,18 @@ def check(data: Data, where: str) -> dict[str, np.ndarray]:
                 "must give the same keys, shapes and dtypes to be batched. Fix: pad, crop or "
                 "resize to one shape in the preprocessing.")
     return next(example for split, _, example in examples if split == "eval")
+
+
+def check_picklable(data: Data, where: str, num_workers: int) -> None:
+    """Worker processes receive the sources and the preprocessing by pickle (cloudpickle):
+    fails here, before anything starts, naming what cannot be sent."""
+    for name in ("train", "eval", "preprocess", "eval_preprocess"):
+        try:
+            cloudpickle.dumps(getattr(data, name))
+        except Exception as e:  # noqa: BLE001 - pickling raises many types; all mean the same
+            raise ConfigError(
+                f"config.data.num_workers={num_workers}: the {name} of {where} cannot be sent "
+                f"to worker processes ({type(e).__name__}: {e}). Fix: build it from picklable "
+                "parts (open files, locks and clients lazily, inside the function, not in "
+                "build_data), or pass --config.data.num_workers=0 to prepare the data with "
+                "threads of the training process.") from e

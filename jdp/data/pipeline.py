@@ -5,17 +5,26 @@ each epoch with a seed folded with the epoch number, and augmentation draws
 from a generator seeded by (seed, g). Global batch `s` is examples
 `s*B .. s*B+B-1`; a process reads only its own rows of it. So the stream
 is the same on any topology, and the position in it follows from the step.
+
+Batches are prepared by threads of this process, or by worker processes
+(`num_workers`): worker i prepares whole batches i, i+N, i+2N, ... and grain
+interleaves them back in order, so the stream is also the same for any
+number of workers.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import queue
+import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import grain
 import numpy as np
+from absl import flags, logging
 
 Batch = dict[str, np.ndarray]
 
@@ -41,6 +50,53 @@ def _read_options(num_threads: int) -> grain.ReadOptions:
     return grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=2 * num_threads + 2)
 
 
+# How often a worker checks that the process that started it is still alive.
+_ORPHAN_CHECK_S = 1.0
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(_ORPHAN_CHECK_S)
+    os._exit(0)
+
+
+def _init_worker(worker_index: int, worker_count: int) -> None:
+    """Runs first in each worker process.
+
+    SIGTERM and SIGINT are the trainer's: a preemption notice (or Ctrl-C) sent to
+    the whole process group must not kill the workers while the trainer still
+    needs batches to reach its preemption save; the trainer closes its workers.
+    A trainer that dies without closing them (SIGKILL, the watchdog's os._exit)
+    leaves them orphaned, and they exit by themselves.
+    """
+    del worker_index, worker_count
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+
+
+def _iterate(batches: grain.MapDataset, num_threads: int, num_workers: int) -> Iterator[Batch]:
+    """An iterator over `batches` in order, with a `close()` that stops its threads or
+    workers. Each worker prepares one batch at a time, so N workers use N cores."""
+    if not num_workers:
+        return iter(batches.to_iter_dataset(_read_options(num_threads)))
+    # grain reads one of its absl flags when it starts workers, which fails where no absl
+    # app parsed the flags (tests, notebooks, the benchmarks); the defaults are right.
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    in_worker = batches.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=1))
+    return iter(in_worker.mp_prefetch(
+        grain.MultiprocessingOptions(num_workers=num_workers, per_worker_buffer_size=2),
+        worker_init_fn=_init_worker).map(_out_of_shared_memory))
+
+
+def _out_of_shared_memory(batch: Batch) -> Batch:
+    """Workers hand batches over in shared memory, which is unlinked when the array is
+    garbage collected; a copy (one memcpy) is an ordinary array that nothing can free
+    under the device transfer or leak at exit."""
+    return {key: np.array(value) for key, value in batch.items()}
+
+
 def train_batches(
     stream: grain.MapDataset,
     *,
@@ -49,8 +105,10 @@ def train_batches(
     start_step: int,
     num_steps: int,
     num_threads: int = 4,
+    num_workers: int = 0,
 ) -> Iterator[Batch]:
-    """This process's rows of global batches start_step .. start_step+num_steps-1."""
+    """This process's rows of global batches start_step .. start_step+num_steps-1,
+    prepared by `num_threads` threads, or by `num_workers` worker processes if > 0."""
     rows_per_process = rows.stop - rows.start
 
     def example(local_index: int) -> dict:
@@ -60,7 +118,7 @@ def train_batches(
     local = (grain.MapDataset.range(num_steps * rows_per_process)
              .map(example)
              .batch(rows_per_process, batch_fn=_stack))
-    return iter(local.to_iter_dataset(_read_options(num_threads)))
+    return _iterate(local, num_threads, num_workers)
 
 
 def num_eval_batches(num_examples: int, global_batch_size: int) -> int:
@@ -74,6 +132,7 @@ def eval_batches(
     global_batch_size: int,
     rows: slice,
     num_threads: int = 4,
+    num_workers: int = 0,
 ) -> Iterator[Batch]:
     """This process's rows of every evaluation batch, in order, unshuffled.
 
@@ -93,7 +152,7 @@ def eval_batches(
 
     count = num_eval_batches(num_examples, global_batch_size) * rows_per_process
     local = grain.MapDataset.range(count).map(example).batch(rows_per_process, batch_fn=_stack)
-    return iter(local.to_iter_dataset(_read_options(num_threads)))
+    return _iterate(local, num_threads, num_workers)
 
 
 def _stack(examples: list[dict]) -> Batch:
@@ -122,9 +181,13 @@ class Prefetcher:
 
     `put` turns a host batch into device arrays (it is the backend's); the
     transfer overlaps the running step. Errors surface on the next `next()`.
+    `close()` stops the thread and closes `batches` (its threads or worker
+    processes) from that thread, which owns it.
     """
 
     _DONE = object()
+    # How long close() waits for the batch being prepared; workers are closed then.
+    _CLOSE_TIMEOUT_S = 60.0
 
     def __init__(self, batches: Iterator[Batch], put: Callable, depth: int = 2):
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -132,21 +195,28 @@ class Prefetcher:
         self._thread = threading.Thread(target=self._fill, args=(batches, put), daemon=True)
         self._thread.start()
 
+    def _offer(self, item) -> bool:
+        """Queues `item` unless stopped first (the consumer may never take it)."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def _fill(self, batches, put) -> None:
         try:
             for batch in batches:
-                item = put(batch)
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._offer(put(batch)):
                     return
-            self._queue.put(self._DONE)
+            self._offer(self._DONE)
         except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-            self._queue.put(e)
+            self._offer(e)
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
 
     def __iter__(self) -> Prefetcher:
         return self
@@ -161,3 +231,7 @@ class Prefetcher:
 
     def close(self) -> None:
         self._stop.set()
+        self._thread.join(self._CLOSE_TIMEOUT_S)
+        if self._thread.is_alive():
+            logging.warning("the input pipeline did not stop within %.0f s; its worker "
+                            "processes end with this process", self._CLOSE_TIMEOUT_S)

@@ -42,6 +42,7 @@ class StepOptions:
     shard_params: bool = False  # FSDP-style
     compiler_options: dict | None = None  # passed to XLA when compiling the train step
     learning_rate_fn: Callable | None = None  # step -> LR, reported from inside the step
+    device_preprocess: Callable | None = None  # batch -> batch before the model (jdp.data.Data)
 
 
 def compiler_options(platform: str, remat: str, shard_params: bool = False) -> dict | None:
@@ -172,7 +173,9 @@ class PjitBackend(Backend):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._train_step = None
-        self._eval_step = jax.jit(functools.partial(step_lib.eval_sums, self.model, self.task))
+        self._eval_step = jax.jit(functools.partial(
+            step_lib.eval_sums, self.model, self.task,
+            device_preprocess=self.options.device_preprocess))
 
     def put_batch(self, local_batch):
         sharding = mesh_lib.batch_sharding(self.mesh)
@@ -196,7 +199,8 @@ class PjitBackend(Backend):
         def device_grads(params, model_state, batch, rng, step):
             return step_lib.device_gradients(
                 model, task, params, model_state, batch, step_lib.step_rng(rng, step),
-                accum_steps=opts.accum_steps, reduce_dtype=reduce_dtype, gather=gather)
+                accum_steps=opts.accum_steps, reduce_dtype=reduce_dtype, gather=gather,
+                device_preprocess=opts.device_preprocess)
 
         def train_step(state, batch):
             # check_vma=False gives pmap's semantics: the gradient of a replicated
@@ -246,12 +250,14 @@ class PmapBackend(Backend):
             grads, model_state, metrics = step_lib.device_gradients(
                 model, task, state.params, state.model_state, batch,
                 step_lib.step_rng(state.rng, state.step),
-                accum_steps=opts.accum_steps, reduce_dtype=jnp.dtype(opts.reduce_dtype))
+                accum_steps=opts.accum_steps, reduce_dtype=jnp.dtype(opts.reduce_dtype),
+                device_preprocess=opts.device_preprocess)
             return step_lib.apply_gradients(self.tx, state, grads, model_state, metrics,
                                             opts.learning_rate_fn)
 
         def eval_step(state, batch):
-            return jax.lax.psum(step_lib.eval_sums(model, task, state, batch), DATA_AXIS)
+            return jax.lax.psum(step_lib.eval_sums(model, task, state, batch,
+                                                   opts.device_preprocess), DATA_AXIS)
 
         # pmap is given every device of the mesh (all processes): its collectives then
         # span the whole job, while each process feeds and holds its local replicas.

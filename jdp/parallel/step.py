@@ -10,6 +10,7 @@ loss is the weighted mean over the whole global batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import flax.struct
@@ -104,6 +105,7 @@ def device_gradients(
     reduce_dtype: jnp.dtype,
     axis_name: str = DATA_AXIS,
     gather=None,
+    device_preprocess: Callable[[dict], dict] | None = None,
 ):
     """Gradients of the global weighted mean loss, the updated model state and the metrics.
 
@@ -122,6 +124,8 @@ def device_gradients(
     def loss_fn(p, state, micro_batch, key):
         if gather is not None:
             p = gather(p)
+        if device_preprocess is not None:  # the data's batch -> batch on the device
+            micro_batch = device_preprocess(micro_batch)
         outputs, state = model.apply(p, state, task.model_inputs(micro_batch), True, key)
         sums = task_lib.weighted_sums(task.objective(outputs, micro_batch))
         return sums[task_lib.LOSS][0], (state, sums)
@@ -195,12 +199,15 @@ def apply_gradients(tx: optax.GradientTransformation, state: TrainState, grads, 
     return state.replace(step=state.step + 1), {**metrics, **stats}
 
 
-def eval_sums(model: Model, task: Task, state: TrainState, batch: dict):
+def eval_sums(model: Model, task: Task, state: TrainState, batch: dict,
+              device_preprocess: Callable[[dict], dict] | None = None):
     """(weighted sums of the eval objective, number of real examples) over the rows
     given; each row's weights are multiplied by its `mask`, so padding rows count
     for nothing."""
+    mask = batch["mask"]  # read before device_preprocess, which need not keep it
+    if device_preprocess is not None:
+        batch = device_preprocess(batch)
     outputs, _ = model.apply(state.params, state.model_state, task.model_inputs(batch), False,
                              jax.random.wrap_key_data(state.rng))
-    mask = batch["mask"]
     return task_lib.weighted_sums(task.objective_for(train=False)(outputs, batch), mask), \
         jnp.sum(mask)
