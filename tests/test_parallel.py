@@ -145,8 +145,12 @@ def test_fsdp_step_needs_under_a_third_of_the_replicated_memory(fsdp_and_replica
 
 
 def _live_bytes_on(device) -> int:
-    return sum(shard.data.nbytes for array in jax.live_arrays() if not array.is_deleted()
-               for shard in array.addressable_shards if shard.device == device)
+    """Bytes of the live buffers on `device`, each once (a global array and the
+    single-device arrays it was assembled from share their buffers)."""
+    buffers = {shard.data.unsafe_buffer_pointer(): shard.data.nbytes
+               for array in jax.live_arrays() if not array.is_deleted()
+               for shard in array.addressable_shards if shard.device == device}
+    return sum(buffers.values())
 
 
 def test_pmap_saves_without_a_second_copy_of_the_state():
