@@ -200,19 +200,28 @@ def _show_job(job_id: str) -> dict[str, str]:
     return dict(re.findall(r"\b(\w+)=(\S*)", shown))
 
 
+REQUEUE_SETTLE_S = 3.0
+
+
 def _wait_for_end(job_id: str) -> JobEnd:
     """Waits for a batch job to end, requeues included; returns how it ended.
 
     Polls `scontrol` itself: `sbatch --wait` polls only every 10 s. A requeued
-    job may start only two minutes after its requeue; its start is moved to now.
+    job may start only two minutes after its requeue; its start is moved to now,
+    but not within REQUEUE_SETTLE_S of the requeue: slurmd revokes the old run's
+    credential with a time in whole seconds, and a run started in the same second
+    is killed as "Job credential revoked" (the job then ends FAILED).
     """
     deadline = time.monotonic() + JOB_TIMEOUT_S
+    waiting_since = None  # when the job was first seen waiting for its begin time
     while time.monotonic() < deadline:
         job = _show_job(job_id)
         if job.get("JobState") in FINAL_JOB_STATES:
             exit_code = int(job["ExitCode"].split(":")[0])
             return JobEnd(job["JobState"], exit_code, int(job["Restarts"]))
-        if job.get("JobState") == "PENDING" and job.get("Reason") == "BeginTime":
+        waiting = job.get("JobState") == "PENDING" and job.get("Reason") == "BeginTime"
+        waiting_since = (waiting_since or time.monotonic()) if waiting else None
+        if waiting and time.monotonic() - waiting_since >= REQUEUE_SETTLE_S:
             subprocess.run(
                 ["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
                 capture_output=True,
