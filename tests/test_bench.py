@@ -16,7 +16,8 @@ from jdp.bench.__main__ import SUBCOMMANDS, main
 TINY = {
     "overhead": (["--model=nano", "--batch_size=16", "--steps=1", "--repeats=1"],
                  r"^overhead: jdp step time / minimal jax.jit step time = \d+\.\d+$"),
-    "scaling": (["--model=nano", "--batch_size=16", "--steps=1", "--repeats=1"],
+    "scaling": (["--model=nano", "--batch_size=16", "--steps=1", "--repeats=1",
+                 "--max_devices=2"],
                 r"^scaling vs 1 device: 1: 1\.00x(, \d+: \d+\.\d+x)+$"),
     "memory": (["--model=nano", "--image_size=32", "--patch_size=8", "--num_classes=16"],
                r"^memory: fsdp / replicated arguments \+ temporaries per device = \d+\.\d+$"),

@@ -102,7 +102,8 @@ def overhead(args) -> None:
 def scaling(args) -> None:
     model, tx = vit_model(args.model), optax.adamw(1e-3)
     batch_np = random_batch(args.batch_size)
-    counts = [n for n in (1, 2, 4, 8, 16, 32) if n <= jax.device_count()]
+    counts = [n for n in (1, 2, 4, 8, 16, 32)
+              if n <= min(jax.device_count(), args.max_devices or jax.device_count())]
     throughput = {}
     for count in counts:
         step, state, batch = _jdp_step(model, tx, jax.devices()[:count], batch_np)
@@ -120,6 +121,9 @@ def scaling(args) -> None:
 
 def add_arguments(parser, name: str) -> None:
     add_model_arguments(parser)
+    if name == "scaling":
+        parser.add_argument("--max_devices", type=int, default=0,
+                            help="measure up to this many devices (default: all)")
 
 
 def run(args) -> None:
