@@ -60,11 +60,16 @@ def run(args) -> None:
                 jdp, minimal = (statistics.median(measured[k]) for k in ("jdp", "minimal"))
                 ratios.append(jdp / minimal)
                 print(f"{backend} {devices} device(s), {measured['workload']}: jdp loop "
-                      f"{jdp:.0f} examples/s, minimal loop {minimal:.0f} examples/s (medians "
-                      f"of {args.repeats}; final loss {measured['jdp_loss']:.4f} vs "
+                      f"{jdp:.0f} examples/s, minimal loop {minimal:.0f} (medians of "
+                      f"{_rounded(measured['jdp'])} and {_rounded(measured['minimal'])}; last "
+                      f"window's loss {measured['jdp_loss']:.4f} and "
                       f"{measured['minimal_loss']:.4f}): ratio {jdp / minimal:.3f}", flush=True)
     print(f"overhead: jdp loop / minimal loop examples/s = {min(ratios):.3f} (worst of "
           f"{'/'.join(backends)} x {'/'.join(map(str, device_counts))} devices)")
+
+
+def _rounded(values: list[float]) -> str:
+    return "/".join(f"{v:.0f}" for v in values)
 
 
 def _measure_in_child(args, backend: str, devices: int, cache_dir: str) -> dict:
@@ -233,8 +238,6 @@ def _child(argv: list[str]) -> None:
     add_arguments(parser, "overhead")
     args = parser.parse_args(argv)
 
-    import jax
-
     from jdp import experiment, optim
 
     config = _load(args)
@@ -254,7 +257,7 @@ def _child(argv: list[str]) -> None:
                       "minimal_loss": statistics.mean(losses[-args.log_every:]),
                       "workload": f"ViT-{config.model.size}/{config.model.patch_size} "
                                   f"{config.data.name} batch {config.batch_size}, "
-                                  f"{args.steps} steps on {jax.device_count()} device(s)"}))
+                                  f"{args.steps} steps"}))
 
 
 if __name__ == "__main__":
