@@ -47,6 +47,17 @@ _JDP_FLAGS = (_CONFIG, _WORKDIR, _COORDINATOR, _NUM_PROCESSES, _PROCESS_ID, _DIS
               _DRY_RUN, _DEVICE_MEMORY, _STEP_TIME)
 
 
+def load_config(path: str, *overrides: str):
+    """The config exactly as `--config=path --config.KEY=VALUE ...` gives it to `run`
+    (`path` may carry `:ARG`): for programs that call `run` without the command line."""
+    flag_values = flags.FlagValues()
+    argv = ["jdp", f"--config={path}", *overrides]
+    config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values,
+                                    lock_config=True, sys_argv=argv)
+    flag_values(argv)
+    return flag_values.config
+
+
 class UsageError(Exception):
     """A bad command line or environment: reported as one line, exit status 2."""
 

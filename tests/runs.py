@@ -6,20 +6,8 @@ import subprocess
 import sys
 import time
 
-from absl import flags
-from ml_collections import config_flags
-
 from jdp import main as jdp_main
-
-
-def load_config(path: str, *overrides: str):
-    """The config exactly as `python -m jdp.main --config=path --config.k=v ...` would see it."""
-    flag_values = flags.FlagValues()
-    argv = ["prog", f"--config={path}", *overrides]
-    config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values,
-                                    lock_config=True, sys_argv=argv)
-    flag_values(argv)
-    return flag_values.config
+from jdp.main import load_config
 
 
 def train(path: str, workdir, *overrides: str, devices=None):

@@ -14,8 +14,11 @@ from jdp.bench.__main__ import SUBCOMMANDS, main
 
 # subcommand -> (tiny arguments, pattern of the summary line it prints last)
 TINY = {
-    "overhead": (["--model=nano", "--batch_size=16", "--steps=1", "--repeats=1"],
-                 r"^overhead: jdp step time / minimal jax.jit step time = \d+\.\d+$"),
+    "overhead": (["--steps=4", "--log_every=2", "--repeats=1", "--devices=1", "--backends=pjit"],
+                 r"^overhead: jdp loop / minimal loop examples/s = \d+\.\d{3} "
+                 r"\(worst of pjit x 1 devices\)$"),
+    "overhead_e2e": (["--steps=4", "--repeats=1", "--devices=1"],
+                     r"^overhead_e2e: jdp wall time to final accuracy / minimal = \d+\.\d{3}$"),
     "scaling": (["--model=nano", "--batch_size=16", "--steps=1", "--repeats=1",
                  "--max_devices=2"],
                 r"^scaling vs 1 device: 1: 1\.00x(, \d+: \d+\.\d+x)+$"),

@@ -1,13 +1,16 @@
 """Benchmarks: programs that print figures, compared as ratios within one run.
 
-    python -m jdp.bench overhead     # jdp's train step vs a minimal hand-written jax.jit step
+    python -m jdp.bench overhead     # jdp's whole training loop vs a minimal hand-written loop
+    python -m jdp.bench overhead_e2e # the default command's wall time to its final accuracy
+                                     # vs a minimal script's (jdp/bench/minimal_vit.py)
     python -m jdp.bench scaling      # examples/s of the same model at 1, 2, 4, 8 devices
     python -m jdp.bench checkpoint   # how long a save stalls training: async vs synchronous
     python -m jdp.bench compile      # the train step's compile: empty vs warm compilation cache
     python -m jdp.bench input        # input pipeline examples/s: threads vs worker processes
 
 Each subcommand lives in its own module of this package, which defines
-`add_arguments(parser)` and `run(args)`; it prints one line per measurement
+`add_arguments(parser, name)` and `run(args)`; it prints one line per measurement
 and its summary figure last. On a CPU machine, simulate devices with
-XLA_FLAGS=--xla_force_host_platform_device_count=8.
+XLA_FLAGS=--xla_force_host_platform_device_count=8 (the overhead benchmarks
+start their own processes with the device counts they measure).
 """

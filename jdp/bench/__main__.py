@@ -11,7 +11,8 @@ import jdp.bench
 
 # subcommand -> module of jdp.bench defining add_arguments(parser) and run(args).
 SUBCOMMANDS = {
-    "overhead": "steps",
+    "overhead": "overhead",
+    "overhead_e2e": "overhead_e2e",
     "scaling": "steps",
     "checkpoint": "checkpoint",
     "memory": "memory",

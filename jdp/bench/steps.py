@@ -1,6 +1,5 @@
-"""The train step's speed: jdp against a minimal hand-written loop, and scaling over devices.
+"""The train step's speed over devices, and the ViT and step helpers other benchmarks share.
 
-    python -m jdp.bench overhead     # jdp's train step vs a minimal hand-written jax.jit step
     python -m jdp.bench scaling      # examples/s of the same model at 1, 2, 4, 8 devices
 """
 
@@ -14,7 +13,7 @@ import numpy as np
 import optax
 
 from jdp import modeling
-from jdp.mesh import batch_sharding, make_mesh, replicated
+from jdp.mesh import make_mesh
 from jdp.models import vit
 from jdp.parallel import StepOptions, make_backend
 from jdp.task import classification
@@ -57,48 +56,6 @@ def _jdp_step(model, tx, devices, batch_np, backend="pjit"):
     return backend_.compiled_train_step(state, batch), state, batch
 
 
-def _minimal_step(model, tx, devices, batch_np):
-    """What a user would write by hand: one jit, GSPMD inserts the reduction."""
-    mesh = make_mesh(devices=devices)
-    params, model_state = jax.jit(model.init, out_shardings=replicated(mesh))(
-        jax.random.key(0), (batch_np["image"][:1],))
-    opt_state = jax.jit(tx.init, out_shardings=replicated(mesh))(params)
-    batch = jax.device_put(batch_np, batch_sharding(mesh))
-
-    def loss_fn(p, images, labels):
-        logits, _ = model.apply(p, model_state, (images,), True, jax.random.key(0))
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-    @jax.jit
-    def step(carry, batch):
-        p, o = carry
-        loss, grads = jax.value_and_grad(loss_fn)(p, batch["image"], batch["label"])
-        updates, o = tx.update(grads, o, p)
-        return (optax.apply_updates(p, updates), o), loss
-
-    return step, (params, opt_state), batch
-
-
-def overhead(args) -> None:
-    model, tx = vit_model(args.model), optax.adamw(1e-3)
-    batch_np = random_batch(args.batch_size)
-    devices = jax.devices()
-    steps = {"jdp": _jdp_step(model, tx, devices, batch_np),
-             "minimal": _minimal_step(model, tx, devices, batch_np)}
-    times = {name: [] for name in steps}
-    for _ in range(args.repeats):  # interleaved, so drift hits both alike
-        for name, (step, state, batch) in steps.items():
-            seconds, state = _time_steps(step, state, batch, args.steps)
-            steps[name] = (step, state, batch)
-            times[name].append(seconds)
-    for name, values in times.items():
-        print(f"{name:8s} ViT-{args.model} batch {args.batch_size} on {len(devices)} devices: "
-              f"median {1000 * statistics.median(values):.2f} ms/step over {args.repeats} x "
-              f"{args.steps} steps")
-    ratio = statistics.median(times["jdp"]) / statistics.median(times["minimal"])
-    print(f"overhead: jdp step time / minimal jax.jit step time = {ratio:.3f}")
-
-
 def scaling(args) -> None:
     model, tx = vit_model(args.model), optax.adamw(1e-3)
     batch_np = random_batch(args.batch_size)
@@ -127,7 +84,7 @@ def add_arguments(parser, name: str) -> None:
 
 
 def run(args) -> None:
-    {"overhead": overhead, "scaling": scaling}[args.benchmark](args)
+    scaling(args)
 
 
 def add_model_arguments(parser) -> None:

@@ -1,0 +1,264 @@
+"""jdp's whole training loop against a minimal hand-written loop, in examples/s.
+
+    python -m jdp.bench overhead [--model=tiny] [--steps=300] [--log_every=50]
+
+For each backend (pjit, pmap) and device count (1, 8), a fresh process (the device
+count is fixed before jax starts) alternates `--repeats` times between:
+
+- jdp: the experiment (default: the digits ViT) run through `jdp.main.run`, input
+  pipeline, prefetch, step, window metrics, writers and watchdog included;
+  examples/s over its metrics.jsonl windows after the first (which holds the
+  first steps' warm-up);
+- minimal: what a careful user writes by hand: the same model, init, optimizer,
+  mesh and batches (taken from jdp's pipeline beforehand, held as numpy), a plain
+  `jax.jit` step on a NamedSharding-sharded batch (pmap: `jax.pmap` with `pmean`),
+  dispatched asynchronously with the loss read one step late, timed over the same
+  steps after the same warm-up.
+
+On a 2-core CPU anything a host thread does (preprocessing, copies, Python per
+step) is time the XLA step does not get, so the loop, not the step, is compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+_CHILD_FLAG = "--_child"
+_DEFAULT_CONFIG = "experiments/vit.py"
+
+
+def add_arguments(parser, name: str) -> None:
+    parser.add_argument("--config", default=_DEFAULT_CONFIG, help="experiment file")
+    parser.add_argument("--model", default="", help="ViT size (nano, tiny, ...); default: the "
+                        "experiment's own. With the digits ViT's patch 2, tiny is ViT-Ti/2")
+    parser.add_argument("--steps", type=int, default=300, help="train steps per measurement")
+    parser.add_argument("--log_every", type=int, default=50,
+                        help="jdp's log window; the first window (and as many minimal steps) "
+                        "is warm-up")
+    parser.add_argument("--repeats", type=int, default=3, help="jdp/minimal pairs per config")
+    parser.add_argument("--backends", default="pjit,pmap")
+    parser.add_argument("--devices", default="1,8", help="simulated CPU device counts")
+
+
+def run(args) -> None:
+    if args.steps < 2 * args.log_every:
+        raise SystemExit(f"--steps={args.steps} leaves no log window after the first "
+                         f"(--log_every={args.log_every}). Fix: --steps >= 2 x --log_every.")
+    backends, device_counts = args.backends.split(","), [int(n) for n in args.devices.split(",")]
+    ratios = []
+    with tempfile.TemporaryDirectory(prefix="jdp-bench-overhead-") as cache_dir:
+        for backend in backends:
+            for devices in device_counts:
+                measured = _measure_in_child(args, backend, devices, cache_dir)
+                jdp, minimal = (statistics.median(measured[k]) for k in ("jdp", "minimal"))
+                ratios.append(jdp / minimal)
+                print(f"{backend} {devices} device(s), {measured['workload']}: jdp loop "
+                      f"{jdp:.0f} examples/s, minimal loop {minimal:.0f} (medians of "
+                      f"{_rounded(measured['jdp'])} and {_rounded(measured['minimal'])}; last "
+                      f"window's loss {measured['jdp_loss']:.4f} and "
+                      f"{measured['minimal_loss']:.4f}): ratio {jdp / minimal:.3f}", flush=True)
+    print(f"overhead: jdp loop / minimal loop examples/s = {min(ratios):.3f} (worst of "
+          f"{'/'.join(backends)} x {'/'.join(map(str, device_counts))} devices)")
+
+
+def _rounded(values: list[float]) -> str:
+    return "/".join(f"{v:.0f}" for v in values)
+
+
+def _measure_in_child(args, backend: str, devices: int, cache_dir: str) -> dict:
+    """What `_child` measured in a new process with `devices` simulated CPU devices."""
+    argv = [sys.executable, "-m", "jdp.bench.overhead", _CHILD_FLAG, f"--backend={backend}",
+            f"--cache_dir={cache_dir}", f"--config={os.path.abspath(args.config)}",
+            f"--model={args.model}", f"--steps={args.steps}", f"--log_every={args.log_every}",
+            f"--repeats={args.repeats}"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the measuring process ({backend}, {devices} devices) exited "
+                           f"{proc.returncode}: {proc.stderr.strip()[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -- in the child process ----------------------------------------------------------
+
+
+def _overrides(args) -> list[str]:
+    """The experiment shortened to `--steps`, evaluated and saved only after the last
+    log window, on `--backend`, its compiled programs cached across repeats."""
+    overrides = [f"--config.total_steps={args.steps}", f"--config.log_every_steps={args.log_every}",
+                 "--config.eval_every_steps=0", "--config.checkpoint.every_steps=0",
+                 f"--config.parallel.backend={args.backend}",
+                 f"--config.compile_cache_dir={args.cache_dir}"]
+    if args.model:
+        overrides.append(f"--config.model.size={args.model}")
+    return overrides
+
+
+def _load(args):
+    from jdp.main import load_config
+
+    config = load_config(args.config, *_overrides(args))
+    with config.unlocked():  # a short run keeps a valid schedule (warmup < total)
+        config.warmup_steps = min(config.warmup_steps, args.steps // 2)
+    return config
+
+
+def _jdp_run(config, config_path: str) -> tuple[float, float]:
+    """(examples/s, last window's mean loss) of one whole `jdp.main.run` in a new workdir."""
+    from jdp import main as jdp_main
+    from jdp import metrics
+
+    with tempfile.TemporaryDirectory(prefix="jdp-bench-overhead-run-") as workdir:
+        jdp_main.run(config, config_path, workdir)
+        windows = [r for r in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+                   if "train/examples_per_s" in r]
+    timed = windows[1:]  # the first window holds the warm-up
+    steps = [b["step"] - a["step"] for a, b in zip(windows, timed, strict=False)]
+    seconds = sum(n * w["train/step_time_s"] for n, w in zip(steps, timed, strict=True))
+    return config.batch_size * sum(steps) / seconds, windows[-1]["train/loss"]
+
+
+def _real_batches(config, parts) -> list[dict]:
+    """jdp's own global batches for the whole run, as host numpy: equal content."""
+    from jdp.data import pipeline
+
+    stream = pipeline.example_stream(parts.data.train, parts.data.preprocess_for(train=True),
+                                     config.seed)
+    return list(pipeline.train_batches(
+        stream, global_batch_size=config.batch_size, rows=slice(0, config.batch_size),
+        start_step=0, num_steps=config.total_steps, num_threads=config.data.num_threads))
+
+
+def _loss_fn(parts, label_smoothing: float):
+    """Softmax cross-entropy of the model on a batch as the host ships it; the data's
+    device half of the preprocessing (uint8 -> normalised float32) runs first, as in jdp."""
+    import jax
+    import optax
+
+    model, device_preprocess = parts.model, parts.data.device_preprocess
+
+    def loss_fn(params, model_state, batch):
+        if device_preprocess is not None:
+            batch = device_preprocess(batch)
+        logits, _ = model.apply(params, model_state, (batch["image"],), True, jax.random.key(0))
+        targets = optax.smooth_labels(jax.nn.one_hot(batch["label"], logits.shape[-1]),
+                                      label_smoothing)
+        return optax.softmax_cross_entropy(logits, targets).mean()
+
+    return loss_fn
+
+
+def _minimal_pjit(parts, tx, label_smoothing: float, seed: int):
+    """(init, step, put, read) of one jit, GSPMD inserting the gradient reduction."""
+    import jax
+    import optax
+
+    from jdp.mesh import batch_sharding, make_mesh, replicated
+
+    mesh = make_mesh()
+    loss_fn = _loss_fn(parts, label_smoothing)
+
+    def init():
+        params, model_state = jax.jit(parts.model.init, out_shardings=replicated(mesh))(
+            jax.random.key(seed), parts.sample_inputs())
+        return params, model_state, jax.jit(tx.init, out_shardings=replicated(mesh))(params)
+
+    def train_step(state, batch):
+        params, model_state, opt_state = state
+        loss, grads = jax.value_and_grad(loss_fn)(params, model_state, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), model_state, opt_state), loss
+
+    sharding = batch_sharding(mesh)
+    step = jax.jit(train_step, donate_argnums=0)
+    return init, step, lambda batch: jax.device_put(batch, sharding), float
+
+
+def _minimal_pmap(parts, tx, label_smoothing: float, seed: int):
+    """(init, step, put, read) of a pmap step: one replica per device, an explicit pmean."""
+    import jax
+    import numpy as np
+    import optax
+
+    count = jax.device_count()
+    loss_fn = _loss_fn(parts, label_smoothing)
+
+    def init():
+        params, model_state = jax.device_get(jax.jit(parts.model.init)(jax.random.key(seed),
+                                                                       parts.sample_inputs()))
+        state = (params, model_state, jax.device_get(jax.jit(tx.init)(params)))
+        return jax.tree.map(lambda x: np.broadcast_to(x, (count, *np.shape(x))), state)
+
+    def train_step(state, batch):
+        params, model_state, opt_state = state
+        loss, grads = jax.value_and_grad(loss_fn)(params, model_state, batch)
+        grads, loss = jax.lax.pmean((grads, loss), "batch")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), model_state, opt_state), loss
+
+    step = jax.pmap(train_step, axis_name="batch", donate_argnums=0)
+
+    def put(batch):
+        return {key: value.reshape(count, -1, *value.shape[1:]) for key, value in batch.items()}
+
+    return init, step, put, lambda loss: float(loss[0])
+
+
+def _minimal_run(loop, batches: list[dict], warmup_steps: int, batch_size: int):
+    """(examples/s after `warmup_steps`, mean loss of the last window) of the minimal loop."""
+    init, step, put, read = loop
+    state, losses, previous = init(), [], None
+    for index, batch in enumerate(batches):
+        if index == warmup_steps:  # start timing with nothing queued
+            losses.append(read(previous))
+            previous, start = None, time.perf_counter()
+        state, loss = step(state, put(batch))
+        if previous is not None:
+            losses.append(read(previous))  # one step late: the device has the next queued
+        previous = loss
+    losses.append(read(previous))
+    seconds = time.perf_counter() - start
+    return batch_size * (len(batches) - warmup_steps) / seconds, losses
+
+
+def _child(argv: list[str]) -> None:
+    """Alternates jdp and the minimal loop `--repeats` times; prints examples/s as JSON."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument(_CHILD_FLAG, action="store_true")
+    parser.add_argument("--backend", required=True, choices=("pjit", "pmap"))
+    parser.add_argument("--cache_dir", required=True)
+    add_arguments(parser, "overhead")
+    args = parser.parse_args(argv)
+
+    from jdp import experiment, optim
+
+    config = _load(args)
+    exp = experiment.load(args.config)
+    parts = experiment.build(exp, config)
+    batches = _real_batches(config, parts)
+    tx = exp.build_optimizer(config, optim.learning_rate_fn(config))
+    make_loop = _minimal_pjit if args.backend == "pjit" else _minimal_pmap
+    loop = make_loop(parts, tx, config.label_smoothing, config.seed)
+    rates = {"jdp": [], "minimal": []}
+    for _ in range(args.repeats):  # alternating, so drift hits both alike
+        rate, jdp_loss = _jdp_run(config, args.config)
+        rates["jdp"].append(rate)
+        rate, losses = _minimal_run(loop, batches, args.log_every, config.batch_size)
+        rates["minimal"].append(rate)
+    print(json.dumps({**rates, "jdp_loss": jdp_loss,
+                      "minimal_loss": statistics.mean(losses[-args.log_every:]),
+                      "workload": f"ViT-{config.model.size}/{config.model.patch_size} "
+                                  f"{config.data.name} batch {config.batch_size}, "
+                                  f"{args.steps} steps"}))
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])
