@@ -59,11 +59,16 @@ def run(args) -> None:
                 measured = _measure_in_child(args, backend, devices, cache_dir)
                 jdp, minimal = (statistics.median(measured[k]) for k in ("jdp", "minimal"))
                 ratios.append(jdp / minimal)
+                paired = statistics.median(a / b for a, b in zip(
+                    measured["jdp"], measured["minimal"], strict=True))
                 print(f"{backend} {devices} device(s), {measured['workload']}: jdp loop "
-                      f"{jdp:.0f} examples/s, minimal loop {minimal:.0f} (medians of "
-                      f"{_rounded(measured['jdp'])} and {_rounded(measured['minimal'])}; last "
-                      f"window's loss {measured['jdp_loss']:.4f} and "
-                      f"{measured['minimal_loss']:.4f}): ratio {jdp / minimal:.3f}", flush=True)
+                      f"{jdp:.0f} examples/s (waiting for input "
+                      f"{100 * measured['input_wait']:.0f}% of the time), minimal loop "
+                      f"{minimal:.0f} (medians of {_rounded(measured['jdp'])} and "
+                      f"{_rounded(measured['minimal'])}; last window's loss "
+                      f"{measured['jdp_loss']:.4f} and {measured['minimal_loss']:.4f}): ratio "
+                      f"{jdp / minimal:.3f} (median of the pairs' ratios {paired:.3f})",
+                      flush=True)
     print(f"overhead: jdp loop / minimal loop examples/s = {min(ratios):.3f} (worst of "
           f"{'/'.join(backends)} x {'/'.join(map(str, device_counts))} devices)")
 
@@ -111,8 +116,9 @@ def _load(args):
     return config
 
 
-def _jdp_run(config, config_path: str) -> tuple[float, float]:
-    """(examples/s, last window's mean loss) of one whole `jdp.main.run` in a new workdir."""
+def _jdp_run(config, config_path: str) -> tuple[float, float, float]:
+    """(examples/s, fraction of the time spent waiting for input, last window's mean loss)
+    of one whole `jdp.main.run` in a new workdir, over the windows after the first."""
     from jdp import main as jdp_main
     from jdp import metrics
 
@@ -122,8 +128,10 @@ def _jdp_run(config, config_path: str) -> tuple[float, float]:
                    if "train/examples_per_s" in r]
     timed = windows[1:]  # the first window holds the warm-up
     steps = [b["step"] - a["step"] for a, b in zip(windows, timed, strict=False)]
-    seconds = sum(n * w["train/step_time_s"] for n, w in zip(steps, timed, strict=True))
-    return config.batch_size * sum(steps) / seconds, windows[-1]["train/loss"]
+    seconds = [n * w["train/step_time_s"] for n, w in zip(steps, timed, strict=True)]
+    waited = sum(s * w["train/data_wait_fraction"] for s, w in zip(seconds, timed, strict=True))
+    return (config.batch_size * sum(steps) / sum(seconds), waited / sum(seconds),
+            windows[-1]["train/loss"])
 
 
 def _real_batches(config, parts) -> list[dict]:
@@ -247,13 +255,14 @@ def _child(argv: list[str]) -> None:
     tx = exp.build_optimizer(config, optim.learning_rate_fn(config))
     make_loop = _minimal_pjit if args.backend == "pjit" else _minimal_pmap
     loop = make_loop(parts, tx, config.label_smoothing, config.seed)
-    rates = {"jdp": [], "minimal": []}
+    rates, input_wait = {"jdp": [], "minimal": []}, []
     for _ in range(args.repeats):  # alternating, so drift hits both alike
-        rate, jdp_loss = _jdp_run(config, args.config)
+        rate, wait, jdp_loss = _jdp_run(config, args.config)
         rates["jdp"].append(rate)
+        input_wait.append(wait)
         rate, losses = _minimal_run(loop, batches, args.log_every, config.batch_size)
         rates["minimal"].append(rate)
-    print(json.dumps({**rates, "jdp_loss": jdp_loss,
+    print(json.dumps({**rates, "input_wait": statistics.median(input_wait), "jdp_loss": jdp_loss,
                       "minimal_loss": statistics.mean(losses[-args.log_every:]),
                       "workload": f"ViT-{config.model.size}/{config.model.patch_size} "
                                   f"{config.data.name} batch {config.batch_size}, "
