@@ -5,6 +5,7 @@
                                      # vs a minimal script's (jdp/bench/minimal_vit.py)
     python -m jdp.bench scaling      # examples/s of the same model at 1, 2, 4, 8 devices
     python -m jdp.bench checkpoint   # how long a save stalls training: async vs synchronous
+    python -m jdp.bench memory       # per-device memory and traffic: replicated, ZeRO-1, FSDP
     python -m jdp.bench compile      # the train step's compile: empty vs warm compilation cache
     python -m jdp.bench input        # input pipeline examples/s: threads vs worker processes
 
