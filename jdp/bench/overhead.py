@@ -57,20 +57,30 @@ def run(args) -> None:
         for backend in backends:
             for devices in device_counts:
                 measured = _measure_in_child(args, backend, devices, cache_dir)
-                jdp, minimal = (statistics.median(measured[k]) for k in ("jdp", "minimal"))
+                jdp, minimal = _medians(measured)
                 ratios.append(jdp / minimal)
-                paired = statistics.median(a / b for a, b in zip(
-                    measured["jdp"], measured["minimal"], strict=True))
-                print(f"{backend} {devices} device(s), {measured['workload']}: jdp loop "
-                      f"{jdp:.0f} examples/s (waiting for input "
-                      f"{100 * measured['input_wait']:.0f}% of the time), minimal loop "
-                      f"{minimal:.0f} (medians of {_rounded(measured['jdp'])} and "
-                      f"{_rounded(measured['minimal'])}; last window's loss "
-                      f"{measured['jdp_loss']:.4f} and {measured['minimal_loss']:.4f}): ratio "
-                      f"{jdp / minimal:.3f} (median of the pairs' ratios {paired:.3f})",
-                      flush=True)
+                print(f"{backend} {devices} device(s), {_describe(measured)}", flush=True)
     print(f"overhead: jdp loop / minimal loop examples/s = {min(ratios):.3f} (worst of "
           f"{'/'.join(backends)} x {'/'.join(map(str, device_counts))} devices)")
+
+
+def _describe(measured: dict) -> str:
+    """One configuration's figures: the medians, every repeat, and the ratios."""
+    jdp, minimal = _medians(measured)
+    # Robust to a load that changes between repeats: each pair ran back to back.
+    paired = statistics.median(a / b for a, b in zip(measured["jdp"], measured["minimal"],
+                                                     strict=True))
+    return (f"{measured['workload']}: jdp loop {jdp:.0f} examples/s (waiting for input "
+            f"{100 * measured['input_wait']:.0f}% of the time), minimal loop {minimal:.0f} "
+            f"(medians of {_rounded(measured['jdp'])} and {_rounded(measured['minimal'])}; "
+            f"last window's loss {measured['jdp_loss']:.4f} and "
+            f"{measured['minimal_loss']:.4f}): ratio {jdp / minimal:.3f} (median of the "
+            f"pairs' ratios {paired:.3f})")
+
+
+def _medians(measured: dict) -> tuple[float, float]:
+    """The median examples/s of jdp's loop and of the minimal loop."""
+    return statistics.median(measured["jdp"]), statistics.median(measured["minimal"])
 
 
 def _rounded(values: list[float]) -> str:
