@@ -2,7 +2,13 @@
 
 __version__ = "0.1.0"
 
-# The mesh axis that the global batch is split over. Models that need a
-# cross-device collective (BatchNorm over the global batch) name this axis;
-# both backends bind it while computing gradients.
-DATA_AXIS = "data"
+# The global batch is split over two mesh axes: `hosts` (groups of devices that
+# share a fast interconnect: by default one per process) and `local` (the devices
+# of one host). Together they are the data axis: models that need a cross-device
+# collective (BatchNorm over the global batch) name DATA_AXIS, a tuple that every
+# JAX collective accepts (`jax.lax.pmean(x, DATA_AXIS)`); both backends bind both
+# names while computing gradients. The two-level gradient reduction
+# (`parallel.reduction=two_level`) reduces over `local` and `hosts` in turn.
+HOSTS_AXIS = "hosts"
+LOCAL_AXIS = "local"
+DATA_AXIS = (HOSTS_AXIS, LOCAL_AXIS)

@@ -11,15 +11,17 @@ fine-tuning. It does not decide when to evaluate or stop, and keeps no data posi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging
 from etils import epath
 from orbax.checkpoint.checkpoint_manager import DEFAULT_ITEM_NAME
 
@@ -174,11 +176,16 @@ class Checkpointer:
         except Exception as error:  # the previous save's failure surfaces here too
             raise self._save_failed(step, error) from error
 
-    def restore(self, step: int, abstract_state: PyTree) -> PyTree:
+    def restore(self, step: int, abstract_state: PyTree, *,
+                fresh: Mapping[str, Callable[[], PyTree]] | None = None) -> PyTree:
         """The state saved at `step`, placed with the shardings in `abstract_state`.
 
         `abstract_state` is the state's pytree of `jax.ShapeDtypeStruct`s with `.sharding`;
         they may differ from the saved ones (another mesh, device or process count).
+        `fresh` names top-level fields of the state that belong to the topology and
+        options that saved them (the gradient reduction's error-feedback residuals):
+        where the checkpoint's arrays there differ from `abstract_state`'s, they stay
+        on disk and the field is made by `fresh[field]()` instead, with a warning.
         """
         self.wait()  # a step whose save is in flight is restorable once committed
         steps = self._manager.all_steps()
@@ -188,11 +195,28 @@ class Checkpointer:
                 f"steps: {sorted(steps)}); restore one of those."
             )
         item_dir = self.directory / str(step) / DEFAULT_ITEM_NAME
-        _check_matches(_saved_shapes(item_dir), abstract_state, item_dir)
+        saved, expected = _saved_shapes(item_dir), _expected_shapes(abstract_state)
+        reset = [field for field in fresh or {}
+                 if _within(saved, field) != _within(expected, field)]
+        _check_matches(_without(saved, reset), _without(expected, reset), item_dir)
         try:
-            return self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+            if not reset:
+                return self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+            target = {field.name: getattr(abstract_state, field.name)
+                      for field in dataclasses.fields(abstract_state) if field.name not in reset}
+            with contextlib.closing(ocp.PyTreeCheckpointHandler()) as handler:
+                restored = handler.restore(item_dir, args=ocp.args.PyTreeRestore(
+                    item=target,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                    partial_restore=True))
         except Exception as error:  # typically array files damaged behind intact metadata
             raise _unreadable(item_dir, error) from error
+        for field in reset:
+            logging.warning(
+                "checkpoint step %d: its %s (%s) belongs to another topology or reduction "
+                "than this run's (%s); starting it afresh", step, field,
+                _within(saved, field) or "absent", _within(expected, field) or "none")
+        return abstract_state.replace(**restored, **{field: fresh[field]() for field in reset})
 
     def reached_preemption(self, step: int) -> bool:
         """True on every process at the same step once any of them was told to stop.
@@ -258,7 +282,7 @@ def load_params(path: str | os.PathLike, abstract_params: PyTree) -> PyTree:
         name: shape for name, shape in _saved_shapes(item_dir).items() if name.startswith("params/")
     }
     target = {"params": abstract_params}
-    _check_matches(saved, target, item_dir)
+    _check_matches(saved, _expected_shapes(target), item_dir)
     args = ocp.args.PyTreeRestore(
         item=target,
         restore_args=ocp.checkpoint_utils.construct_restore_args(target),
@@ -299,9 +323,21 @@ def _saved_shapes(item_dir: epath.Path) -> dict[str, tuple[int, ...]]:
     return {name: tuple(leaf.shape) for name, leaf in _flat(tree).items()}
 
 
-def _check_matches(saved: dict[str, tuple[int, ...]], abstract: PyTree, where: epath.Path) -> None:
+def _expected_shapes(abstract: PyTree) -> dict[str, tuple[int, ...]]:
+    return {name: _stored_shape(leaf) for name, leaf in _flat(abstract).items()}
+
+
+def _within(shapes: dict[str, tuple[int, ...]], field: str) -> dict[str, tuple[int, ...]]:
+    return {name: shape for name, shape in shapes.items() if name.split("/")[0] == field}
+
+
+def _without(shapes: dict[str, tuple[int, ...]], fields) -> dict[str, tuple[int, ...]]:
+    return {name: shape for name, shape in shapes.items() if name.split("/")[0] not in fields}
+
+
+def _check_matches(saved: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]],
+                   where: epath.Path) -> None:
     """Raises a CheckpointError naming every array whose name or shape differs."""
-    expected = {name: _stored_shape(leaf) for name, leaf in _flat(abstract).items()}
     problems = []
     if reshaped := [
         f"{name} is {saved[name]} in the checkpoint but {shape} in the model"

@@ -20,6 +20,8 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 LR_SCALINGS = ("none", "linear", "sqrt")
 MESH_SHAPES = ("flat", "hybrid")
+REDUCTIONS = ("flat", "two_level")
+CROSS_HOST_REDUCE_DTYPES = ("float32", "bfloat16", "int8")
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -74,10 +76,22 @@ def defaults() -> ml_collections.ConfigDict:
 
     c.parallel = ml_collections.ConfigDict()
     c.parallel.backend = "pjit"
-    c.parallel.mesh = "flat"  # or "hybrid": hosts x local devices
+    # The mesh is hosts x local devices. "flat" orders each host's devices by id,
+    # "hybrid" in their fast-interconnect order (create_hybrid_device_mesh).
+    c.parallel.mesh = "flat"
+    # Groups of devices that share a fast interconnect; 0 = one per process. More
+    # than the processes splits each process's devices into virtual hosts.
+    c.parallel.hosts = 0
     c.parallel.shard_optimizer_state = False  # ZeRO-1 (pjit only)
     c.parallel.shard_params = False  # FSDP-style params sharding (pjit only)
     c.parallel.grad_reduce_dtype = "float32"
+    # "flat": one all-reduce over all devices; "two_level": reduce-scatter inside each
+    # host, all-reduce across hosts, all-gather inside (pjit only).
+    c.parallel.reduction = "flat"
+    # What crosses hosts in the two-level reduction: "float32", "bfloat16" or "int8"
+    # (per-block scales), the last two with error feedback (jdp/parallel/reduction.py).
+    c.parallel.cross_host_reduce = "float32"
+    c.parallel.error_feedback = True
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 0  # 0 = only at the end
@@ -194,6 +208,7 @@ def validate(config: ml_collections.ConfigDict, device_count: int, process_count
             if config.parallel[field]:
                 _fail(f"parallel.{field}", True, "the pmap backend keeps a full replica of the "
                       "state on every device", "use --config.parallel.backend=pjit to shard it")
+    _check_reduction(config, device_count, process_count)
     if config.warmup_steps >= config.total_steps:
         _fail("warmup_steps", config.warmup_steps,
               f"must be below total_steps ({config.total_steps})", "shorten the warmup")
@@ -205,6 +220,42 @@ def validate(config: ml_collections.ConfigDict, device_count: int, process_count
               f"must be divisible by the device count ({device_count})",
               f"use a multiple of {device_count}")
     return plan
+
+
+def _check_reduction(config: ml_collections.ConfigDict, device_count: int,
+                     process_count: int) -> None:
+    """The hosts x local mesh and the gradient reduction over it."""
+    parallel = config.parallel
+    _check_positive(config, "parallel.hosts", allow_zero=True)
+    _check_choice(config, "parallel.reduction", REDUCTIONS)
+    _check_choice(config, "parallel.cross_host_reduce", CROSS_HOST_REDUCE_DTYPES)
+    hosts = parallel.hosts or process_count
+    if device_count % hosts:
+        divisors = [d for d in range(1, device_count + 1) if device_count % d == 0]
+        _fail("parallel.hosts", parallel.hosts, f"must divide the {device_count} devices",
+              f"use one of {divisors}, or 0 for one host per process")
+    if hosts % process_count and process_count % hosts:
+        _fail("parallel.hosts", parallel.hosts,
+              f"a host must hold whole processes or split one ({process_count} processes)",
+              f"use a multiple or a divisor of {process_count}, or 0 for one host per process")
+    if parallel.reduction == "two_level":
+        if parallel.backend == "pmap":
+            _fail("parallel.reduction", "two_level", "the pmap backend reduces gradients flat",
+                  "use --config.parallel.backend=pjit")
+        if parallel.shard_params:
+            _fail("parallel.reduction", "two_level", "with shard_params (FSDP) the gradients "
+                  "are reduce-scattered over every device as the params are gathered",
+                  "use --config.parallel.reduction=flat with FSDP")
+    if parallel.cross_host_reduce != "float32":
+        if parallel.reduction != "two_level":
+            _fail("parallel.cross_host_reduce", parallel.cross_host_reduce,
+                  "compression applies to the cross-host part of the two-level reduction",
+                  "add --config.parallel.reduction=two_level (pjit backend)")
+        if hosts == 1:
+            _fail("parallel.cross_host_reduce", parallel.cross_host_reduce,
+                  "with one host nothing crosses hosts",
+                  "use --config.parallel.cross_host_reduce=float32, or split the devices into "
+                  "virtual hosts with --config.parallel.hosts=2")
 
 
 def scaled_learning_rate(

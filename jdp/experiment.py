@@ -27,7 +27,7 @@ import cloudpickle
 import jax
 import numpy as np
 
-from jdp import DATA_AXIS, modeling, optim
+from jdp import HOSTS_AXIS, LOCAL_AXIS, modeling, optim
 from jdp import task as task_lib
 from jdp.data import core as data_core
 from jdp.data import default as default_data
@@ -175,13 +175,13 @@ def _check_task(experiment: Experiment, parts: Parts) -> task_lib.Objective:
         return (parts.task.objective_for(train=True)(outputs, batch),
                 parts.task.objective_for(train=False)(outputs, batch))
 
-    # Traced as one device of a mapped data axis, which BatchNorm over the global
-    # batch names; the leading axis of 1 is dropped again from the results.
-    one_device = jax.vmap(trace, axis_name=DATA_AXIS)
+    # Traced as one device of the mapped data axes (hosts, local), which BatchNorm
+    # over the global batch names; the leading axes of 1 are dropped again.
+    one_device = jax.vmap(jax.vmap(trace, axis_name=LOCAL_AXIS), axis_name=HOSTS_AXIS)
     try:
         objectives = jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype),
-            jax.eval_shape(one_device, jax.tree.map(lambda x: x[None], batch)))
+            lambda s: jax.ShapeDtypeStruct(s.shape[2:], s.dtype),
+            jax.eval_shape(one_device, jax.tree.map(lambda x: x[None, None], batch)))
     except KeyError as e:
         raise ConfigError(
             f"{task_name}: the objective reads batch[{e.args[0]!r}], which the preprocessing "

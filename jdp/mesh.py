@@ -1,10 +1,13 @@
 """The global device mesh and the shardings jdp places arrays with.
 
-One logical axis, `data`, runs over every device of every process. The
-'hybrid' shape orders it with `create_hybrid_device_mesh` (processes as the
-granules: hosts x local devices, each host's devices in its fast-interconnect
-order); either way each process owns one contiguous block of rows of every
-global batch.
+The mesh has two axes, `hosts` x `local` (jdp.DATA_AXIS names both): a host is
+a group of devices that share a fast interconnect, by default the devices of
+one process; `parallel.hosts` may split a process's devices into several
+virtual hosts, or join processes into one. The global batch is split over both
+axes, hosts major, so each process owns one contiguous block of rows of every
+global batch. The 'flat' shape orders each host's devices by id, the 'hybrid'
+shape in their fast-interconnect order (`create_hybrid_device_mesh`, processes
+as the granules).
 """
 
 from __future__ import annotations
@@ -15,22 +18,38 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp import DATA_AXIS
+from jdp import DATA_AXIS, HOSTS_AXIS, LOCAL_AXIS
 
 
-def make_mesh(shape: str = "flat", devices=None) -> Mesh:
-    """A 1-D mesh over all devices, processes in order, local devices in order."""
+def host_count(hosts: int, devices=None) -> int:
+    """`parallel.hosts` resolved: 0 means one host per process of `devices`."""
     devices = list(jax.devices() if devices is None else devices)
-    if shape == "hybrid" and jax.process_count() > 1:
-        local = jax.local_device_count()
+    return hosts or len({d.process_index for d in devices})
+
+
+def make_mesh(shape: str = "flat", devices=None, hosts: int = 0) -> Mesh:
+    """The (hosts, local) mesh over `devices` (default: all), processes in order.
+
+    `hosts` (0: one per process) must divide the device count, and either divide
+    the process count or be a multiple of it (config.validate says so first).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    hosts = host_count(hosts, devices)
+    process_count = len({d.process_index for d in devices})
+    if shape == "hybrid" and process_count > 1 and process_count == jax.process_count():
         grid = mesh_utils.create_hybrid_device_mesh(
-            (local,), (jax.process_count(),), devices=devices, process_is_granule=True)
+            (len(devices) // process_count,), (process_count,), devices=devices,
+            process_is_granule=True)
         device_array = np.asarray(grid).reshape(-1)
     else:
         # Sorting by (process, id) makes every process's devices one block,
         # which the sampler's row ranges rely on.
         device_array = np.asarray(sorted(devices, key=lambda d: (d.process_index, d.id)))
-    return Mesh(device_array, (DATA_AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+    if len(device_array) % hosts:
+        raise ValueError(f"{hosts} hosts do not divide {len(device_array)} devices")
+    auto = jax.sharding.AxisType.Auto
+    return Mesh(device_array.reshape(hosts, -1), (HOSTS_AXIS, LOCAL_AXIS),
+                axis_types=(auto, auto))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -40,7 +40,7 @@ def preflight(config, experiment: Experiment, parts: Parts, plan: BatchPlan, dev
     `device_memory_bytes` overrides the capacity the device reports (CPUs report
     none); `step_time_s` is a measured step time for the scaling estimate.
     """
-    mesh = mesh_lib.make_mesh(config.parallel.mesh, devices)
+    mesh = mesh_lib.make_mesh(config.parallel.mesh, devices, config.parallel.hosts)
     backend = build_backend(config, mesh, parts,
                             experiment.build_optimizer(config, optim.learning_rate_fn(config)))
     abstract = backend.abstract_state(jax.random.key(config.seed), parts.sample_inputs())

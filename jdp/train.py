@@ -15,16 +15,18 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 from absl import logging
 
-from jdp import distributed, modeling, optim, profiling
+from jdp import HOSTS_AXIS, LOCAL_AXIS, distributed, modeling, optim, profiling
 from jdp import mesh as mesh_lib
 from jdp import metrics as metrics_lib
 from jdp.checkpoint import Checkpointer, DamagedCheckpointError, load_params
 from jdp.config import BatchPlan
 from jdp.data import pipeline
 from jdp.experiment import Experiment, Parts
-from jdp.parallel import Backend, StepOptions, TrainState, compiler_options, make_backend
+from jdp.parallel import (Backend, Reduction, StepOptions, TrainState, compiler_options,
+                          make_backend)
 from jdp.parallel import step as step_lib
 from jdp.watchdog import Watchdog
 
@@ -141,9 +143,15 @@ def _initial_state(backend: Backend, checkpointer: Checkpointer, rng, sample_inp
     """The order matters: 1. resume this run's newest complete checkpoint, 2. else
     start fresh, with params from `init_from` when fine-tuning."""
     steps = checkpointer.steps()
+    abstract = backend.abstract_state(rng, sample_inputs) if steps else None
+
+    def fresh_comm():  # the reduction's error-feedback residuals, on another topology
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding),
+                            abstract.comm)
+
     for step in steps:
         try:
-            state = checkpointer.restore(step, backend.abstract_state(rng, sample_inputs))
+            state = checkpointer.restore(step, abstract, fresh={"comm": fresh_comm})
         except DamagedCheckpointError as error:
             # Left where it is: the damage may be transient (storage), or worth a look.
             logging.warning("skipping checkpoint step %d, which cannot be read; falling back "
@@ -180,6 +188,10 @@ def build_backend(config, mesh, parts: Parts, tx) -> Backend:
                                           config.parallel.shard_params),
         learning_rate_fn=optim.learning_rate_fn(config),
         device_preprocess=parts.data.device_preprocess,
+        reduction=Reduction(
+            kind=config.parallel.reduction, cross_host=config.parallel.cross_host_reduce,
+            error_feedback=config.parallel.error_feedback, hosts=mesh.shape[HOSTS_AXIS],
+            local=mesh.shape[LOCAL_AXIS]),
     ))
 
 
@@ -190,7 +202,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, parts: Part
     is_writer = jax.process_index() == 0
 
     # -- 1. Mesh and the batch layout ------------------------------------------
-    mesh = mesh_lib.make_mesh(config.parallel.mesh, devices)
+    mesh = mesh_lib.make_mesh(config.parallel.mesh, devices, config.parallel.hosts)
     rows = mesh_lib.process_rows(mesh, plan.global_batch_size)
     eval_batch_size = config.eval_batch_size or plan.global_batch_size
     eval_rows = mesh_lib.process_rows(mesh, eval_batch_size)

@@ -66,7 +66,8 @@ def compiled_step(path: str, *overrides: str, devices=None, global_batch_size=12
     config = load_config(path, *overrides)
     exp = experiment.load(path)
     parts = experiment.build(exp, config)
-    backend = build_backend(config, make_mesh(devices=devices), parts,
+    mesh = make_mesh(config.parallel.mesh, devices, config.parallel.hosts)
+    backend = build_backend(config, mesh, parts,
                             exp.build_optimizer(config, optim.learning_rate_fn(config)))
     state = backend.from_global(backend.init_global(jax.random.key(0), parts.sample_inputs()))
     rows = global_batch_size // jax.process_count()

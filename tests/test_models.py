@@ -11,6 +11,7 @@ import optax
 import pytest
 
 from jdp import DATA_AXIS
+from jdp.mesh import make_mesh
 from jdp.models import REMAT_POLICIES, ResNet, ViT, remat_policy, resnet, vit
 
 NUM_CLASSES = 10
@@ -260,12 +261,12 @@ def test_resnet_batchnorm_over_data_axis_matches_the_whole_batch_on_one_device()
         )
         return (jax.lax.pmean(loss, DATA_AXIS), new_stats), jax.lax.pmean(grads, DATA_AXIS)
 
-    def split(x):
-        return x.reshape(num_devices, per_device_batch_size, *x.shape[1:])
-
-    per_device = jax.pmap(device_step, axis_name=DATA_AXIS)(split(images), split(labels))
-    for device in range(num_devices):
-        _assert_trees_close(jax.tree.map(lambda x, d=device: x[d], per_device), expected)
+    # Bound as jdp binds jdp.DATA_AXIS: shard_map over the (hosts, local) mesh, here
+    # 2 hosts of 4 devices, so the statistics must span both mesh axes.
+    mesh = make_mesh(devices=jax.local_devices(), hosts=2)
+    step = jax.jit(jax.shard_map(device_step, mesh=mesh, in_specs=jax.P(DATA_AXIS),
+                                 out_specs=jax.P(), check_vma=False))
+    _assert_trees_close(step(images, labels), expected)
 
 
 def test_resnet_eval_uses_running_statistics_so_padding_rows_change_nothing():

@@ -8,6 +8,8 @@
     python -m jdp.bench memory       # per-device memory and traffic: replicated, ZeRO-1, FSDP
     python -m jdp.bench compile      # the train step's compile: empty vs warm compilation cache
     python -m jdp.bench input        # input pipeline examples/s: threads vs worker processes
+    python -m jdp.bench communication  # gradient bytes inside / across hosts and the modelled
+                                       # time: flat, two-level, bf16 and int8 cross-host
 
 Each subcommand lives in its own module of this package, which defines
 `add_arguments(parser, name)` and `run(args)`; it prints one line per measurement

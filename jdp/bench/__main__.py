@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "memory": "memory",
     "compile": "compile",
     "input": "input",
+    "communication": "communication",
 }
 
 

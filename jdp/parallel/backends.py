@@ -10,7 +10,10 @@ working layout and back.
   are explicit and there is one gradient all-reduce); the optimizer update,
   ZeRO/FSDP sharding and evaluation are partitioned by XLA.
 - pmap: a full replica of the state on each local device with a leading
-  device axis; gradients reduced with an explicit `pmean` over `data`.
+  device axis; gradients reduced with one explicit `psum` over every device.
+  pmap binds one axis name, so it maps `local` over all devices of all
+  processes and `hosts` is a vmapped axis of size 1 inside: jdp.DATA_AXIS
+  still names every device, and the reduction is always flat.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp import DATA_AXIS
+from jdp import DATA_AXIS, HOSTS_AXIS, LOCAL_AXIS
 from jdp import mesh as mesh_lib
 from jdp.modeling import Model
 from jdp.parallel import step as step_lib
+from jdp.parallel.reduction import RESIDUAL_SPECS, Reduction
 from jdp.task import Task
 
 
@@ -43,6 +47,7 @@ class StepOptions:
     compiler_options: dict | None = None  # passed to XLA when compiling the train step
     learning_rate_fn: Callable | None = None  # step -> LR, reported from inside the step
     device_preprocess: Callable | None = None  # batch -> batch before the model (jdp.data.Data)
+    reduction: Reduction = Reduction()  # how gradients are summed (pjit; pmap: flat only)
 
 
 def compiler_options(platform: str, remat: str, shard_params: bool = False) -> dict | None:
@@ -93,6 +98,7 @@ class Backend:
             opt_state=shard(abstract_state.opt_state,
                             opts.shard_optimizer_state or opts.shard_params),
             rng=mesh_lib.replicated(mesh),
+            comm={name: NamedSharding(mesh, RESIDUAL_SPECS[name]) for name in abstract_state.comm},
         )
 
     def abstract_state(self, rng: jax.Array, sample_inputs: tuple) -> step_lib.TrainState:
@@ -100,7 +106,8 @@ class Backend:
 
         `sample_inputs` are the model's inputs for one example (leading dimension 1).
         """
-        init = functools.partial(step_lib.init_state, self.model, self.tx)
+        init = functools.partial(step_lib.init_state, self.model, self.tx,
+                                 reduction=self.options.reduction)
         shapes = jax.eval_shape(init, rng, sample_inputs)
         shardings = self.global_shardings(shapes)
         return jax.tree.map(
@@ -108,7 +115,8 @@ class Backend:
 
     def init_global(self, rng: jax.Array, sample_inputs: tuple) -> step_lib.TrainState:
         """The initial state, created directly with its shardings (nothing on one device first)."""
-        init = functools.partial(step_lib.init_state, self.model, self.tx)
+        init = functools.partial(step_lib.init_state, self.model, self.tx,
+                                 reduction=self.options.reduction)
         shardings = self.global_shardings(jax.eval_shape(init, rng, sample_inputs))
         return jax.jit(init, out_shardings=shardings)(rng, sample_inputs)
 
@@ -196,24 +204,26 @@ class PjitBackend(Backend):
         gather = step_lib.fsdp_gather(param_specs, reduce_dtype) if opts.shard_params else None
         grad_specs = param_specs if opts.shard_params else P()
 
-        def device_grads(params, model_state, batch, rng, step):
+        def device_grads(params, model_state, batch, rng, step, residuals):
             return step_lib.device_gradients(
                 model, task, params, model_state, batch, step_lib.step_rng(rng, step),
-                accum_steps=opts.accum_steps, reduce_dtype=reduce_dtype, gather=gather,
+                accum_steps=opts.accum_steps, reduce_dtype=reduce_dtype,
+                reduction=opts.reduction, residuals=residuals, gather=gather,
                 device_preprocess=opts.device_preprocess)
 
         def train_step(state, batch):
             # check_vma=False gives pmap's semantics: the gradient of a replicated
             # input stays per-device (no implicit psum), so device_gradients' one
-            # pmean is the only reduction, exactly as under pmap.
-            grads, model_state, metrics = jax.shard_map(
+            # reduction is the only one, exactly as under pmap.
+            comm_specs = {name: RESIDUAL_SPECS[name] for name in state.comm}
+            grads, model_state, metrics, comm = jax.shard_map(
                 device_grads, mesh=mesh,
-                in_specs=(grad_specs, P(), P(DATA_AXIS), P(), P()),
-                out_specs=(grad_specs, P(), P()),
+                in_specs=(grad_specs, P(), P(DATA_AXIS), P(), P(), comm_specs),
+                out_specs=(grad_specs, P(), P(), comm_specs),
                 check_vma=False,
-            )(state.params, state.model_state, batch, state.rng, state.step)
+            )(state.params, state.model_state, batch, state.rng, state.step, state.comm)
             return step_lib.apply_gradients(self.tx, state, grads, model_state, metrics,
-                                            opts.learning_rate_fn)
+                                            opts.learning_rate_fn, comm)
 
         return train_step
 
@@ -246,8 +256,12 @@ class PmapBackend(Backend):
         self._stacked = NamedSharding(self.mesh, P(DATA_AXIS))
         opts, model, task = self.options, self.model, self.task
 
+        if opts.reduction.kind != "flat":
+            raise ValueError("the pmap backend reduces gradients flat; use the pjit backend "
+                             f"for a {opts.reduction.kind} reduction")
+
         def train_step(state, batch):
-            grads, model_state, metrics = step_lib.device_gradients(
+            grads, model_state, metrics, _ = step_lib.device_gradients(
                 model, task, state.params, state.model_state, batch,
                 step_lib.step_rng(state.rng, state.step),
                 accum_steps=opts.accum_steps, reduce_dtype=jnp.dtype(opts.reduce_dtype),
@@ -262,9 +276,10 @@ class PmapBackend(Backend):
         # pmap is given every device of the mesh (all processes): its collectives then
         # span the whole job, while each process feeds and holds its local replicas.
         devices = list(self.mesh.devices.flat)
-        self._train_step = jax.pmap(train_step, axis_name=DATA_AXIS, donate_argnums=0,
-                                    devices=devices)
-        self._eval_step = jax.pmap(eval_step, axis_name=DATA_AXIS, devices=devices)
+        self._train_step = jax.pmap(_with_hosts_axis(train_step), axis_name=LOCAL_AXIS,
+                                    donate_argnums=0, devices=devices)
+        self._eval_step = jax.pmap(_with_hosts_axis(eval_step), axis_name=LOCAL_AXIS,
+                                   devices=devices)
 
     def from_global(self, state, *, consume: bool = False):
         """Replicated global arrays -> one replica per device, stacked on a leading axis."""
@@ -314,6 +329,18 @@ class PmapBackend(Backend):
     def fetch(self, tree):
         # Every replica holds the same (reduced) value: read the first.
         return jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data[0]), tree)
+
+
+def _with_hosts_axis(fn: Callable) -> Callable:
+    """`fn` with the `hosts` axis bound, as a vmapped axis of size 1, inside pmap's one
+    axis (`local`, over every device): collectives over jdp.DATA_AXIS then span every
+    device, and axis_index(DATA_AXIS) is the device's position, as under pjit."""
+
+    def with_hosts(*args):
+        out = jax.vmap(fn, axis_name=HOSTS_AXIS)(*jax.tree.map(lambda x: x[None], args))
+        return jax.tree.map(lambda x: x[0], out)
+
+    return with_hosts
 
 
 def _free_after(copy: jax.Array, source: jax.Array, free: bool) -> jax.Array:

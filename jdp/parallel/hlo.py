@@ -128,7 +128,57 @@ class Collective:
             return share * self.bytes
         if self.kind == "reduce-scatter":
             return share * (self.operand_bytes or n * self.bytes)
+        if self.kind == "all-to-all":
+            return share * self.bytes
         return float(self.bytes)
+
+    def traffic(self, host_of: dict[int, int]) -> Traffic:
+        """Where this op's bytes go, with devices on hosts as `host_of` (device id -> host)
+        says, for ring algorithms with each group's devices in host order.
+
+        A group within one host sends only inside it. A ring through a group on h > 1
+        hosts leaves each of those hosts over one link, which carries what one device
+        sends; the group's other links stay inside hosts. An all-to-all sends each
+        member its share directly, across hosts to the members on other hosts.
+        """
+        groups = self.replica_groups or (tuple(sorted(host_of)),)
+        hosts = sorted(set(host_of.values()))
+        intra = {host: 0.0 for host in hosts}  # the busiest device's sends inside its host
+        cross = {host: 0.0 for host in hosts}  # sends leaving the host, all its devices
+        for group in groups:
+            n = len(group)
+            if n < 2:
+                continue
+            on = [host_of[device] for device in group]
+            per_device = self.ring_bytes_sent(n)
+            for host in set(on):
+                if self.kind == "all-to-all":
+                    members, others = on.count(host), n - on.count(host)
+                    cross[host] += members * self.bytes * others / n
+                    intra[host] = max(intra[host], self.bytes * (members - 1) / n)
+                elif len(set(on)) > 1:
+                    cross[host] += per_device
+                    if on.count(host) > 1:
+                        intra[host] = max(intra[host], per_device)
+                else:
+                    intra[host] = max(intra[host], per_device)
+        return Traffic(intra_device_bytes=max(intra.values()),
+                       cross_host_bytes=max(cross.values()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """One collective's bytes on the busiest device inside its host, and leaving the
+    busiest host."""
+
+    intra_device_bytes: float
+    cross_host_bytes: float
+
+    def time_s(self, intra_bytes_per_s: float, cross_bytes_per_s: float) -> float:
+        """Modelled time: the slower of the two kinds of link, each at its bandwidth
+        (a device's within the host, the host's across hosts)."""
+        return max(self.intra_device_bytes / intra_bytes_per_s,
+                   self.cross_host_bytes / cross_bytes_per_s)
 
 
 def _computations(hlo_text: str) -> dict[str, list[str]]:

@@ -1,10 +1,11 @@
 """The per-device training and evaluation math that both backends run.
 
 `device_gradients` is written for one device's rows of the global batch,
-under the named mesh axis `data` (pmap binds it; the pjit backend binds it
-with shard_map). It accumulates micro-batch gradients of the task's weighted
-loss sum locally in float32 and issues exactly one cross-device reduction per
-optimizer step, so gradient accumulation costs no extra communication and the
+under the named mesh axes `hosts` and `local` (jdp.DATA_AXIS; pmap and the
+pjit backend's shard_map bind them). It accumulates micro-batch gradients of
+the task's weighted loss sum locally in float32 and issues exactly one
+cross-device reduction per optimizer step (flat, or two-level: see
+`reduction`), so gradient accumulation costs no extra communication and the
 loss is the weighted mean over the whole global batch.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import dataclasses
 
 import flax.struct
 import jax
@@ -24,6 +27,7 @@ from jdp import DATA_AXIS
 from jdp import task as task_lib
 from jdp.metrics import FIRST_NONFINITE_STEP
 from jdp.modeling import Model
+from jdp.parallel.reduction import Reduction, param_count
 from jdp.task import Task
 
 
@@ -34,15 +38,23 @@ class TrainState:
     model_state: Any  # non-trained variables: BatchNorm statistics, NNX RNG counters
     opt_state: Any
     rng: jax.Array  # uint32 key data; per-step and per-device keys are folded from it
+    # The gradient reduction's own state: the error-feedback residuals of compressed
+    # cross-host reduction (reduction.RESIDUAL_SPECS), else empty. They belong to one
+    # topology; a resume on another starts them at zero.
+    comm: Any = dataclasses.field(default_factory=dict)
 
 
-def init_state(model: Model, tx: optax.GradientTransformation, rng: jax.Array, inputs: tuple):
+def init_state(model: Model, tx: optax.GradientTransformation, rng: jax.Array, inputs: tuple,
+               reduction: Reduction | None = None):
     params, model_state = model.init(rng, inputs)
+    shapes = reduction.residual_shapes(param_count(params)) if reduction else {}
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
-                      opt_state=tx.init(params), rng=jax.random.key_data(rng))
+                      opt_state=tx.init(params), rng=jax.random.key_data(rng),
+                      comm={name: jnp.zeros(shape, jnp.float32) for name, shape in shapes.items()})
 
 
-def step_rng(rng: jax.Array, step: jax.Array, axis_name: str | None = DATA_AXIS) -> jax.Array:
+def step_rng(rng: jax.Array, step: jax.Array,
+             axis_name: str | tuple[str, ...] | None = DATA_AXIS) -> jax.Array:
     """A key for this step and (under a mapped axis) this device: dropout never repeats."""
     key = jax.random.fold_in(jax.random.wrap_key_data(rng), step)
     if axis_name is not None:
@@ -53,7 +65,7 @@ def step_rng(rng: jax.Array, step: jax.Array, axis_name: str | None = DATA_AXIS)
 GRADIENT_ALL_REDUCE = "gradient_all_reduce"
 
 
-def fsdp_gather(specs, reduce_dtype: jnp.dtype, axis_name: str = DATA_AXIS):
+def fsdp_gather(specs, reduce_dtype: jnp.dtype, axis_name: tuple[str, ...] = DATA_AXIS):
     """Local param shards -> full params, whose gradient comes back reduce-scattered.
 
     For FSDP under shard_map: `specs` gives each param's PartitionSpec (split over
@@ -65,7 +77,7 @@ def fsdp_gather(specs, reduce_dtype: jnp.dtype, axis_name: str = DATA_AXIS):
     """
 
     def gather_leaf(spec):
-        dims = [dim for dim, name in enumerate(spec) if name == axis_name]
+        dims = [dim for dim, name in enumerate(spec) if name is not None]
 
         @jax.custom_vjp
         def gather(x):
@@ -103,11 +115,13 @@ def device_gradients(
     *,
     accum_steps: int,
     reduce_dtype: jnp.dtype,
-    axis_name: str = DATA_AXIS,
+    reduction: Reduction = Reduction(),
+    residuals: dict | None = None,
     gather=None,
     device_preprocess: Callable[[dict], dict] | None = None,
 ):
-    """Gradients of the global weighted mean loss, the updated model state and the metrics.
+    """Gradients of the global weighted mean loss, the updated model state, the metrics
+    and the reduction's new residuals (`TrainState.comm`, this device's part).
 
     Runs on one device's rows. Each micro-batch contributes the gradient of its
     weighted loss *sum*; these and the weighted metric sums accumulate in float32
@@ -118,7 +132,8 @@ def device_gradients(
 
     With `gather` (FSDP, `fsdp_gather`), `params` are this device's shards and the
     gradients come back reduced and sharded from the gather's transpose, once per
-    micro-batch; the one psum then carries only the metric sums.
+    micro-batch; the one psum then carries only the metric sums. A two-level
+    `reduction` reduces the gradients by itself, and the sums travel apart.
     """
 
     def loss_fn(p, state, micro_batch, key):
@@ -157,17 +172,22 @@ def device_gradients(
     # in one all-reduce (the sums stay float32 whatever the gradients travel in).
     # The sums travel as one float32 vector: one operand instead of two per metric.
     flat_sums, unflatten = jax.flatten_util.ravel_pytree(sums)
+    residuals = {} if residuals is None else residuals
     with jax.named_scope(GRADIENT_ALL_REDUCE):  # found by this name in the HLO (the plan)
-        if gather is None:
+        if gather is not None:  # already reduce-scattered by the gather's transpose
+            flat_sums = jax.lax.psum(flat_sums, DATA_AXIS)
+        elif reduction.kind == "flat":
             grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
-            grads, flat_sums = jax.lax.psum((grads, flat_sums), axis_name)
-        else:  # already reduce-scattered by the gather's transpose
-            flat_sums = jax.lax.psum(flat_sums, axis_name)
+            grads, flat_sums = jax.lax.psum((grads, flat_sums), DATA_AXIS)
+        else:
+            grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
+            grads, residuals = reduction(grads, residuals)
+            flat_sums = jax.lax.psum(flat_sums, DATA_AXIS)
     sums = unflatten(flat_sums)
     loss_weight = sums[task_lib.LOSS][1]
     grads = jax.tree.map(lambda g: task_lib.safe_divide(g.astype(jnp.float32), loss_weight),
                          grads)
-    return grads, model_state, task_lib.means(sums)
+    return grads, model_state, task_lib.means(sums), residuals
 
 
 # Per-step statistics the step reports beside the task's metrics.
@@ -175,7 +195,7 @@ NONFINITE = "nonfinite"  # 1.0 when the loss or the gradients were not finite (u
 
 
 def apply_gradients(tx: optax.GradientTransformation, state: TrainState, grads, model_state,
-                    metrics: dict, learning_rate_fn=None) -> tuple[TrainState, dict]:
+                    metrics: dict, learning_rate_fn=None, comm=None) -> tuple[TrainState, dict]:
     """One optimizer update, skipped (state kept, step counted) when it is not finite.
 
     A non-finite loss or gradient never reaches the params, so every state the
@@ -187,7 +207,8 @@ def apply_gradients(tx: optax.GradientTransformation, state: TrainState, grads, 
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(metrics[task_lib.LOSS]) & jnp.isfinite(grad_norm)
-    updated = state.replace(params=params, opt_state=opt_state, model_state=model_state)
+    updated = state.replace(params=params, opt_state=opt_state, model_state=model_state,
+                            comm=state.comm if comm is None else comm)
     state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, state)
     stats = {"grad_norm": grad_norm, "update_norm": optax.global_norm(updates),
              "param_norm": optax.global_norm(state.params),

@@ -1,0 +1,106 @@
+"""Gradient communication per step: flat, two-level, bf16 and int8 cross-host reduction.
+
+    python -m jdp.bench communication        # ViT-S/16 and ResNet-50 on 2 hosts x 4 devices
+    python -m jdp.bench communication --intra_gb_s=900 --inter_gb_s=50
+
+Each configuration's train step is lowered from shapes alone (nothing runs, so a
+CPU with 8 simulated devices stands in for 2 hosts of 4 accelerators). The bytes
+come from the collectives of the program as lowered, not as XLA:CPU compiles it:
+XLA:CPU widens bfloat16 collectives to float32, which GPUs and TPUs do not, and
+combines the flat reduction's per-leaf all-reduces into one, which changes no
+bandwidth-bound byte count (tests/test_communication.py checks the compiled
+two-level program's groups and bytes). For each collective: what the busiest device
+sends inside its host and what leaves the busiest host, with ring algorithms
+(`hlo.Collective.traffic`). The modelled time of a collective is the slower of
+the two at the given bandwidths (a device's inside its host, a host's across
+hosts); a step's communication is the sum over its collectives, as the reduction
+runs them one after another. Compute and its overlap with communication are not
+modelled: the figure is the communication time alone.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+
+from jdp import DATA_AXIS, HOSTS_AXIS, LOCAL_AXIS, modeling
+from jdp.mesh import make_mesh
+from jdp.models import resnet, vit
+from jdp.parallel import Reduction, StepOptions, hlo, make_backend
+from jdp.task import classification
+
+MIB = 2**20
+GB = 1e9
+# name -> Reduction fields
+REDUCTIONS = {
+    "flat": {},
+    "two_level": {"kind": "two_level"},
+    "bf16": {"kind": "two_level", "cross_host": "bfloat16"},
+    "int8": {"kind": "two_level", "cross_host": "int8"},
+}
+
+
+def add_arguments(parser, name: str) -> None:
+    parser.add_argument("--models", default="vit:small,resnet:50",
+                        help="comma-separated family:size, e.g. vit:small,resnet:50")
+    parser.add_argument("--image_size", type=int, default=224)
+    parser.add_argument("--num_classes", type=int, default=1000)
+    parser.add_argument("--hosts", type=int, default=2, help="hosts the devices are split into")
+    parser.add_argument("--intra_gb_s", type=float, default=400.0,
+                        help="bandwidth of one device inside its host, GB/s")
+    parser.add_argument("--inter_gb_s", type=float, default=25.0,
+                        help="bandwidth of one host to the others, GB/s")
+
+
+def _model(spec: str, args):
+    family, size = spec.split(":")
+    if family == "vit":
+        return modeling.from_linen(vit(size, num_classes=args.num_classes, patch_size=16,
+                                       pool="cls"))
+    if family == "resnet":
+        return modeling.from_linen(resnet(size, num_classes=args.num_classes,
+                                          bn_axis_name=DATA_AXIS))
+    raise SystemExit(f"--models: unknown family {family!r} in {spec!r}; use vit or resnet")
+
+
+def step_traffic(model, args, reduction: str) -> tuple[list[hlo.Traffic], int]:
+    """(traffic of each collective of the lowered step, gradient bytes in float32)."""
+    mesh = make_mesh(hosts=args.hosts)
+    options = StepOptions(reduction=Reduction(
+        **REDUCTIONS[reduction], hosts=mesh.shape[HOSTS_AXIS], local=mesh.shape[LOCAL_AXIS]))
+    backend = make_backend("pjit", mesh, model, classification(), optax.adamw(1e-3), options)
+    example = {"image": np.zeros((args.image_size, args.image_size, 3), np.float32),
+               "label": np.zeros((), np.int32)}
+    state = backend.abstract_state(jax.random.key(0), (example["image"][None],))
+    grad_bytes = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(state.params))
+    state, batch = backend.abstract_working(state, example, mesh.size)
+    program = backend.lowered_train_step(state, batch).as_text(dialect="hlo")
+    host_of = {device.id: host for host, row in enumerate(mesh.devices) for device in row}
+    return [op.traffic(host_of) for op in hlo.collectives(program)], grad_bytes
+
+
+def run(args) -> None:
+    intra, inter = args.intra_gb_s * GB, args.inter_gb_s * GB
+    local = jax.device_count() // args.hosts
+    print(f"{args.hosts} hosts x {local} devices; modelled at {args.intra_gb_s:g} GB/s per "
+          f"device inside a host, {args.inter_gb_s:g} GB/s per host across hosts", flush=True)
+    speedups = {}
+    for spec in args.models.split(","):
+        model = _model(spec, args)
+        flat_time = None
+        for reduction in REDUCTIONS:
+            traffic, grad_bytes = step_traffic(model, args, reduction)
+            inside = sum(t.intra_device_bytes for t in traffic)
+            across = sum(t.cross_host_bytes for t in traffic)
+            time_s = sum(t.time_s(intra, inter) for t in traffic)
+            flat_time = flat_time or time_s
+            speedups[(spec, reduction)] = flat_time / time_s
+            print(f"{spec:12s} {reduction:9s} gradients {grad_bytes / MIB:7.1f} MiB: inside a "
+                  f"host {inside / MIB:7.1f} MiB per device, across hosts "
+                  f"{across / MIB:7.1f} MiB per host; modelled {time_s * 1e3:7.2f} ms, "
+                  f"{flat_time / time_s:.2f}x flat", flush=True)
+    summary = ", ".join(f"{spec} {reduction} {speedups[(spec, reduction)]:.2f}x"
+                        for spec, reduction in speedups if reduction != "flat")
+    print(f"communication: modelled speed-up over flat: {summary}")
+
