@@ -117,7 +117,7 @@ def train_batches(
 
     local = (grain.MapDataset.range(num_steps * rows_per_process)
              .map(example)
-             .batch(rows_per_process, batch_fn=_stack))
+             .batch(rows_per_process, batch_fn=stack_examples))
     return _iterate(local, num_threads, num_workers)
 
 
@@ -151,11 +151,12 @@ def eval_batches(
         return out
 
     count = num_eval_batches(num_examples, global_batch_size) * rows_per_process
-    local = grain.MapDataset.range(count).map(example).batch(rows_per_process, batch_fn=_stack)
+    local = (grain.MapDataset.range(count).map(example)
+             .batch(rows_per_process, batch_fn=stack_examples))
     return _iterate(local, num_threads, num_workers)
 
 
-def _stack(examples: list[dict]) -> Batch:
+def stack_examples(examples: list[dict]) -> Batch:
     """Stacks examples into a batch; one clear error when their shapes differ."""
     try:
         return {key: np.stack([np.asarray(e[key]) for e in examples]) for key in examples[0]}
