@@ -51,9 +51,11 @@ def assert_params_match(saved, reference_params):
 def test_two_processes_of_four_devices_follow_one_process_of_eight(one_process, tmp_path,
                                                                    backend):
     workdir = tmp_path / "two"
-    # pjit with input worker processes too: each process's workers make only its rows.
-    workers = "--config.data.num_workers=2" if backend == "pjit" else "--config.data.num_workers=0"
-    proc = launch_local(workdir, 4, f"--config.parallel.backend={backend}", workers)
+    # pjit streams through grain with input worker processes, each process's workers
+    # making only its rows; pmap batches from memory, as the one-process reference does.
+    data = (("--config.data.in_memory=false", "--config.data.num_workers=2") if backend == "pjit"
+            else ("--config.data.num_workers=0",))
+    proc = launch_local(workdir, 4, f"--config.parallel.backend={backend}", *data)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[p0]" in proc.stderr and "[p1]" in proc.stderr
     reference_result, reference, _ = one_process
