@@ -34,8 +34,8 @@ def permutation(size: int, seed: int, rounds: int = ROUNDS) -> np.ndarray:
 
     low_bits = np.arange(size, dtype=np.uint64) & np.uint64((1 << bits) - 1)  # all it reads
     if bits == _MIN_BLOCK_BITS:
-        table = encrypt(np.arange(1 << bits, dtype=np.uint64))
-        return _walk_table(table, max_index)[low_bits].astype(np.int64)
+        table = encrypt(np.arange(1 << bits, dtype=np.uint64)).astype(np.int32)  # < 2^16
+        return _walk_table(table, max_index)[low_bits.astype(np.intp)].astype(np.int64)
     values = encrypt(low_bits)
     walking = np.flatnonzero(values > max_index)
     while walking.size:  # each value is above max_index with probability < 3/4
@@ -99,17 +99,18 @@ def round_keys(seed: int, rounds: int) -> list[int]:
 def _encrypt(values: np.ndarray, keys: list[int], word_bits: int) -> np.ndarray:
     """The Feistel cipher on uint64 `values` of 2 x word_bits bits: per pair of round
     keys, left ^= f(right) ^ k1, then right ^= f(left) ^ k2 (keys cut to word_bits)."""
-    mask = np.uint64((1 << word_bits) - 1)
+    word = np.uint32 if word_bits <= 16 else np.uint64  # uint32: ~5x faster in numpy
+    mask = (1 << word_bits) - 1
 
     def rotate_left(x: np.ndarray, r: int) -> np.ndarray:
-        return ((x << np.uint64(r)) | (x >> np.uint64(word_bits - r))) & mask
+        return ((x << r) | (x >> (word_bits - r))) & mask
 
     def f(x: np.ndarray) -> np.ndarray:
         return (rotate_left(x, 1) & rotate_left(x, 8)) ^ rotate_left(x, 2)
 
-    left = (values >> np.uint64(word_bits)) & mask
-    right = values & mask
+    left = ((values >> word_bits) & mask).astype(word)
+    right = (values & mask).astype(word)
     for k1, k2 in zip(keys[0::2], keys[1::2], strict=True):
-        left ^= f(right) ^ (np.uint64(k1) & mask)
-        right ^= f(left) ^ (np.uint64(k2) & mask)
-    return (left << np.uint64(word_bits)) | right
+        left ^= f(right) ^ word(k1 & mask)
+        right ^= f(left) ^ word(k2 & mask)
+    return (left.astype(np.uint64) << word_bits) | right
