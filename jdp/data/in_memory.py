@@ -237,6 +237,7 @@ class Order:
         self._shuffle_seed = _grain_seed(seed, 1)
         self._key = np.random.Philox(_grain_seed(seed, 3)).state["state"]["key"]
         self._permutations: dict[int, np.ndarray] = {}
+        self.pool: list[np.random.Generator] = []  # what `generators` hands out
 
     def positions(self, global_indices: np.ndarray) -> np.ndarray:
         """The source positions of `global_indices`: grain's shuffle of each epoch."""
@@ -255,15 +256,22 @@ class Order:
             self._permutations[epoch] = index_shuffle.permutation(self.num_examples, seed)
         return self._permutations[epoch]
 
-    def generator(self, global_index: int) -> np.random.Generator:
+    def generator(self, global_index: int,
+                  reuse: np.random.Generator | None = None) -> np.random.Generator:
         """grain's generator for example g: Philox with the random_map's key, counter
-        [0, 0, 0, g] and nothing drawn yet."""
-        counter = np.array([0, 0, 0, global_index], np.uint64)
-        return np.random.Generator(np.random.Philox(counter=counter, key=self._key))
+        [0, 0, 0, g] and nothing drawn yet; `reuse` is set to that state (~1.5 us, where
+        making a generator takes ~10 us)."""
+        generator = reuse or np.random.Generator(np.random.Philox(key=self._key))
+        generator.bit_generator.state = {
+            "bit_generator": "Philox",
+            "state": {"counter": np.array([0, 0, 0, global_index], np.uint64), "key": self._key},
+            "buffer": np.zeros(4, np.uint64), "buffer_pos": 4, "has_uint32": 0, "uinteger": 0}
+        return generator
 
     def generators(self, global_indices: np.ndarray) -> Sequence[np.random.Generator]:
-        """The generators of `global_indices`, each made when first used (a preprocessing
-        that draws nothing makes none)."""
+        """The generators of `global_indices`, each set up when first used (a preprocessing
+        that draws nothing costs nothing). They are this Order's, reused by the next call,
+        as grain reuses its own: a batch preprocessing must not keep them."""
         return _Generators(self, global_indices)
 
     def check_against_grain(self) -> None:
@@ -289,13 +297,17 @@ class _Generators(Sequence):
     def __init__(self, order: Order, global_indices: np.ndarray):
         self._order = order
         self._indices = global_indices
-        self._made: dict[int, np.random.Generator] = {}
+        self._ready: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._indices)
 
     def __getitem__(self, i: int) -> np.random.Generator:
         i = range(len(self._indices))[i]  # negative indices; IndexError past the end
-        if i not in self._made:
-            self._made[i] = self._order.generator(int(self._indices[i]))
-        return self._made[i]
+        pool = self._order.pool
+        while len(pool) <= i:
+            pool.append(np.random.Generator(np.random.Philox()))
+        if i not in self._ready:
+            self._order.generator(int(self._indices[i]), reuse=pool[i])
+            self._ready.add(i)
+        return pool[i]
