@@ -56,16 +56,16 @@ class Data:
 
     `batch_preprocess(batch, rngs)`, optional, is `preprocess` for a whole batch:
     `batch` maps each feature to the stacked values of n examples as the source
-    gives them, `rngs[i]` is the generator `preprocess` would get for example i
-    (made when first used; None for evaluation), and it must return exactly what
-    stacking `preprocess(example_i, rngs[i])` gives, bitwise, dtypes included
-    (draw from each rngs[i] what `preprocess` draws, in the same order; do the
-    rest vectorised). With it, a split that fits in memory (`data.in_memory`) is
-    read once into arrays and each batch is one fancy index and one call, with no
-    threads or worker processes. `eval_batch_preprocess` is the batch form of
-    `eval_preprocess`; it defaults to `batch_preprocess` where `eval_preprocess`
-    is unset. A split without a batch form streams through grain, example by
-    example.
+    gives them (numeric features only), `rngs[i]` is the generator `preprocess`
+    would get for example i (valid during the call, as grain's are; None for
+    evaluation), and it must return exactly what stacking `preprocess(example_i,
+    rngs[i])` gives, bitwise, dtypes included (draw from each rngs[i] what
+    `preprocess` draws, in the same order; do the rest vectorised). With it, a
+    split that fits in memory (`data.in_memory`) is read once into arrays and
+    each batch is one fancy index and one call, with no threads or worker
+    processes. `eval_batch_preprocess` is the batch form of `eval_preprocess`;
+    it defaults to `batch_preprocess` where `eval_preprocess` is unset. A split
+    without a batch form streams through grain, example by example.
     """
 
     train: Any
