@@ -18,6 +18,7 @@ from jdp.errors import ConfigError
 BACKENDS = ("pjit", "pmap")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
+IN_MEMORY = ("auto", "true", "false")  # data.in_memory
 LR_SCALINGS = ("none", "linear", "sqrt")
 MESH_SHAPES = ("flat", "hybrid")
 REDUCTIONS = ("flat", "two_level")
@@ -69,9 +70,15 @@ def defaults() -> ml_collections.ConfigDict:
     c.data.mean = ()  # per channel, on the 0..1 scale
     c.data.std = ()
     c.data.augment = False
+    # "auto": a split is read into memory once and batched by vectorised numpy when its
+    # preprocessing has a batch form and its arrays take at most 1 GiB (else it streams
+    # through grain, example by example); "true": always (an error where it cannot);
+    # "false": never. The batches are the same either way.
+    c.data.in_memory = "auto"
     c.data.num_threads = 4  # threads preparing batches in the trainer (num_workers=0)
     # > 0: worker processes prepare the batches instead (CPU-heavy decoding, e.g. JPEG:
-    # threads share one GIL); the example stream is the same for any value.
+    # threads share one GIL); the example stream is the same for any value. Neither
+    # applies to a split batched from memory.
     c.data.num_workers = 0
 
     c.parallel = ml_collections.ConfigDict()
@@ -200,6 +207,7 @@ def validate(config: ml_collections.ConfigDict, device_count: int, process_count
     _check_choice(config, "lr_scaling", LR_SCALINGS)
     _check_choice(config, "remat", REMAT_POLICIES)
     _check_choice(config, "checkpoint.keep_best_mode", ("max", "min"))
+    _check_choice(config, "data.in_memory", IN_MEMORY)
     for field in ("data.num_classes", "data.image_size", "data.num_threads",
                   "data.num_workers"):
         _check_positive(config, field, allow_zero=True)
@@ -281,7 +289,8 @@ def scaled_learning_rate(
 RESUMABLE_CHANGES = ("total_steps", "log_every_steps", "eval_every_steps", "eval_batch_size",
                      "crash_on_nan", "skip_nonfinite_steps", "tensorboard", "profile",
                      "watchdog_timeout_s", "checkpoint", "parallel", "data.data_dir",
-                     "data.num_threads", "data.num_workers", "compile_cache_dir")
+                     "data.num_threads", "data.num_workers", "data.in_memory",
+                     "compile_cache_dir")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -23,7 +23,7 @@ from jdp import mesh as mesh_lib
 from jdp import metrics as metrics_lib
 from jdp.checkpoint import Checkpointer, DamagedCheckpointError, load_params
 from jdp.config import BatchPlan
-from jdp.data import pipeline
+from jdp.data import in_memory, pipeline
 from jdp.experiment import Experiment, Parts
 from jdp.parallel import (Backend, Reduction, StepOptions, TrainState, compiler_options,
                           make_backend)
@@ -36,14 +36,14 @@ def _should(step: int, every: int, total: int) -> bool:
     return step == total or (every > 0 and step % every == 0)
 
 
-def evaluate(backend: Backend, state, source, preprocess, *, global_batch_size: int,
-             rows: slice, num_threads: int, num_workers: int = 0,
-             heartbeat=lambda: None) -> dict[str, float]:
-    """The task's loss and every metric over the whole split, each example exactly once
-    (padding masked out): `eval/<name>` = sum(value * weight) / sum(weight)."""
+def evaluate(backend: Backend, state, split, *, global_batch_size: int, rows: slice,
+             num_threads: int, num_workers: int = 0, heartbeat=lambda: None) -> dict[str, float]:
+    """The task's loss and every metric over the whole `split` (`in_memory.open_eval`),
+    each example exactly once (padding masked out): `eval/<name>` = sum(value * weight) /
+    sum(weight)."""
     totals = None
-    batches = pipeline.eval_batches(source, preprocess, global_batch_size=global_batch_size,
-                                    rows=rows, num_threads=num_threads, num_workers=num_workers)
+    batches = split.batches(global_batch_size=global_batch_size, rows=rows,
+                            num_threads=num_threads, num_workers=num_workers)
     with contextlib.closing(batches):  # its workers stop also when the loop is left early
         for local_batch in batches:
             heartbeat()
@@ -212,8 +212,11 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, parts: Part
                  plan.micro_batch_size, plan.grad_accum_steps)
 
     # -- 2. Data: this process's rows of each global batch -----------------------
-    data = parts.data
-    stream = pipeline.example_stream(data.train, data.preprocess_for(train=True), config.seed)
+    # A split that fits in memory is read once and batched by vectorised numpy; the
+    # others stream through grain. Both give bitwise the same batches.
+    train_split = in_memory.open_train(parts.data, seed=config.seed,
+                                       setting=config.data.in_memory)
+    eval_split = in_memory.open_eval(parts.data, setting=config.data.in_memory)
 
     # -- 3. Model, optimizer, backend and the initial state ----------------------
     learning_rate = optim.learning_rate_fn(config)
@@ -234,10 +237,10 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, parts: Part
     # -- 4. Input stream from the current step, writers and the watchdog ---------
     total_steps = config.total_steps
     batches = pipeline.Prefetcher(
-        pipeline.train_batches(stream, global_batch_size=plan.global_batch_size, rows=rows,
-                               start_step=start_step, num_steps=total_steps - start_step,
-                               num_threads=config.data.num_threads,
-                               num_workers=config.data.num_workers),
+        train_split.batches(global_batch_size=plan.global_batch_size, rows=rows,
+                            start_step=start_step, num_steps=total_steps - start_step,
+                            num_threads=config.data.num_threads,
+                            num_workers=config.data.num_workers),
         backend.put_batch)
     writer = _writers(config, workdir, is_writer, start_step)
     clock = metrics_lib.WindowClock(plan.global_batch_size, mesh.size)
@@ -256,7 +259,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, parts: Part
 
     def run_eval(step, state) -> dict:
         with clock.timed("eval"):
-            result = evaluate(backend, state, data.eval, data.preprocess_for(train=False),
+            result = evaluate(backend, state, eval_split,
                               global_batch_size=eval_batch_size, rows=eval_rows,
                               num_threads=config.data.num_threads,
                               num_workers=config.data.num_workers,

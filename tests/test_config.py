@@ -62,6 +62,7 @@ def test_accumulation_must_divide_the_per_device_batch():
     ("remat", "some", "unknown value"),
     ("compute_dtype", "float16", "unknown value"),
     ("lr_scaling", "cubic", "unknown value"),
+    ("data.in_memory", "yes", "unknown value.*'auto', 'true', 'false'"),
     ("data.num_classes", -1, "must be >= 0"),
     ("total_steps", 0, "must be > 0"),
     ("checkpoint.max_to_keep", 0, "must be > 0"),

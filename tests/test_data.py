@@ -115,6 +115,33 @@ def test_preprocessing_ships_uint8_and_the_device_normalises():
     assert augmented["image"].shape == (8, 8, 1) and augmented["image"].dtype == np.uint8
 
 
+@pytest.mark.parametrize("augment", [True, False], ids=["augment", "plain"])
+@pytest.mark.parametrize("spec,shape,dtype", [
+    (images.ImageSpec(8, 3, (0.5,) * 3, (0.5,) * 3, crop_padding=2, flip=True), (8, 8, 3),
+     np.uint8),
+    (images.ImageSpec(6, 1, (0.5,), (0.5,), crop_padding=1), (8, 8), np.uint8),  # grey, cropped
+    (images.ImageSpec(8, 1, (0.5,), (0.5,), flip=True), (8, 8, 1), np.float64),  # -> float32
+], ids=["rgb", "grey", "float"])
+def test_the_batch_form_of_the_image_preprocessing_is_bitwise_the_per_example_one(
+        spec, shape, dtype, augment):
+    pixels = np.random.default_rng(0).integers(0, 256, (6, *shape)).astype(dtype)
+    examples = [{"image": image, "label": i} for i, image in enumerate(pixels)]
+    per_example = images.make_preprocess(spec, train=True, augment=augment)
+    expected = pipeline.stack_examples(
+        [per_example(e, np.random.default_rng(i)) for i, e in enumerate(examples)])
+    batch_form = images.make_batch_preprocess(spec, train=True, augment=augment)
+    got = batch_form({"image": pixels, "label": np.arange(6)},
+                     [np.random.default_rng(i) for i in range(6)])
+    for key in ("image", "label"):
+        assert (got[key].dtype, got[key].shape) == (expected[key].dtype, expected[key].shape)
+        assert got[key].tobytes() == expected[key].tobytes(), key
+
+
+def test_images_that_are_resized_have_no_batch_form():
+    spec = images.PRESETS["imagenet2012"].image
+    assert images.make_batch_preprocess(spec, train=True, augment=True) is None
+
+
 @pytest.mark.parametrize("name", ["digits", "cifar10", "imagenet2012"])
 def test_normalising_on_the_device_equals_the_host_float32_normalisation(name):
     spec = images.PRESETS[name].image

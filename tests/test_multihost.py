@@ -52,10 +52,11 @@ def test_two_processes_of_four_devices_follow_one_process_of_eight(one_process, 
                                                                    backend):
     workdir = tmp_path / "two"
     # pjit with the two-level reduction (reduce-scatter in each process, all-reduce
-    # across them, all-gather) and input worker processes, each making only its rows;
-    # the reference reduces flat.
-    options = {"pjit": ("--config.data.num_workers=2", "--config.parallel.reduction=two_level",
-                        "--config.parallel.mesh=hybrid"),
+    # across them, all-gather), streaming through grain with input worker processes,
+    # each process's workers making only its rows; pmap batches from memory, as the
+    # one-process reference does, which reduces flat.
+    options = {"pjit": ("--config.data.in_memory=false", "--config.data.num_workers=2",
+                        "--config.parallel.reduction=two_level", "--config.parallel.mesh=hybrid"),
                "pmap": ("--config.data.num_workers=0",)}
     proc = launch_local(workdir, 4, f"--config.parallel.backend={backend}", *options[backend])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -45,10 +45,22 @@ def test_the_same_command_twice_gives_identical_losses(vit_run, tmp_path):
     assert losses(again) == losses(records)
 
 
+def test_streaming_through_grain_gives_the_run_of_batches_from_memory_bitwise(vit_run,
+                                                                              tmp_path):
+    """digits is batched from memory by default; grain's example-by-example path must
+    give the very same batches, so the very same losses and evaluations."""
+    result, records, _ = vit_run
+    streamed, again = train(VIT, tmp_path, *TINY, "--config.data.in_memory=false")
+    assert losses(again) == losses(records)
+    assert streamed.eval_metrics == result.eval_metrics
+
+
 def test_worker_processes_give_the_same_run_and_none_is_left_behind(vit_run, tmp_path):
     result, records, _ = vit_run
     workers_before = multiprocessing.active_children()
-    with_workers, again = train(VIT, tmp_path, *TINY, "--config.data.num_workers=2")
+    # Workers serve only splits streamed through grain.
+    with_workers, again = train(VIT, tmp_path, *TINY, "--config.data.in_memory=false",
+                                "--config.data.num_workers=2")
     assert losses(again) == losses(records)
     assert with_workers.eval_metrics == result.eval_metrics
     assert multiprocessing.active_children() == workers_before

@@ -12,7 +12,7 @@ evaluation, worker processes, prefetching and resuming at a step.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import cloudpickle
@@ -23,6 +23,10 @@ from jdp.errors import ConfigError
 # (example, rng) -> dict of numpy arrays. rng is a numpy Generator seeded by
 # (seed, global example index) for training and None for evaluation.
 Preprocess = Callable[[dict, "np.random.Generator | None"], dict]
+# (batch, rngs) -> batch: `Preprocess` for n examples at once. batch holds their
+# features as read from the source, stacked (one array per feature, leading axis n);
+# rngs[i] is the generator `Preprocess` gets for example i (None for evaluation).
+BatchPreprocess = Callable[[dict, "Sequence[np.random.Generator] | None"], dict]
 # batch -> batch, traced inside the compiled train and eval steps.
 DevicePreprocess = Callable[[dict], dict]
 
@@ -49,6 +53,19 @@ class Data:
     must treat rows independently and return every feature the model and the
     objective read. `num_classes` is passed to `build_model(config, *,
     num_classes)` when it asks.
+
+    `batch_preprocess(batch, rngs)`, optional, is `preprocess` for a whole batch:
+    `batch` maps each feature to the stacked values of n examples as the source
+    gives them (numeric features only), `rngs[i]` is the generator `preprocess`
+    would get for example i (valid during the call, as grain's are; None for
+    evaluation), and it must return exactly what stacking `preprocess(example_i,
+    rngs[i])` gives, bitwise, dtypes included (draw from each rngs[i] what
+    `preprocess` draws, in the same order; do the rest vectorised). With it, a
+    split that fits in memory (`data.in_memory`) is read once into arrays and
+    each batch is one fancy index and one call, with no threads or worker
+    processes. `eval_batch_preprocess` is the batch form of `eval_preprocess`;
+    it defaults to `batch_preprocess` where `eval_preprocess` is unset. A split
+    without a batch form streams through grain, example by example.
     """
 
     train: Any
@@ -57,11 +74,22 @@ class Data:
     eval_preprocess: Preprocess | None = None
     num_classes: int | None = None
     device_preprocess: DevicePreprocess | None = None
+    batch_preprocess: BatchPreprocess | None = None
+    eval_batch_preprocess: BatchPreprocess | None = None
 
     def preprocess_for(self, train: bool) -> Preprocess:
         if train or self.eval_preprocess is None:
             return self.preprocess
         return self.eval_preprocess
+
+    def batch_preprocess_for(self, train: bool) -> BatchPreprocess | None:
+        """The batch form of `preprocess_for(train)`, None where there is none."""
+        if train:
+            return self.batch_preprocess
+        if self.eval_batch_preprocess is not None:
+            return self.eval_batch_preprocess
+        # batch_preprocess is the batch form of preprocess, not of an eval_preprocess.
+        return self.batch_preprocess if self.eval_preprocess is None else None
 
 
 def _describe(example: dict) -> dict[str, tuple]:
@@ -78,9 +106,13 @@ def check(data: Data, where: str) -> dict[str, np.ndarray]:
     if not isinstance(data, Data):
         raise ConfigError(f"{where} returned {type(data).__name__}. Fix: return "
                           "jdp.data.Data(train=..., eval=..., preprocess=...).")
-    if data.device_preprocess is not None and not callable(data.device_preprocess):
-        raise ConfigError(f"{where}: device_preprocess is a {type(data.device_preprocess).__name__}"
-                          ". Fix: pass a jittable function batch -> batch, or None.")
+    for field, kind in (("device_preprocess", "a jittable function batch -> batch"),
+                        ("batch_preprocess", "a function (batch, rngs) -> batch"),
+                        ("eval_batch_preprocess", "a function (batch, rngs) -> batch")):
+        value = getattr(data, field)
+        if value is not None and not callable(value):
+            raise ConfigError(f"{where}: {field} is a {type(value).__name__}. Fix: pass "
+                              f"{kind}, or None.")
     examples = []
     for split, source in (("train", data.train), ("eval", data.eval)):
         if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):

@@ -76,4 +76,7 @@ def _image_data(train, eval_source, spec: images.ImageSpec, augment: bool,
     return Data(train=train, eval=eval_source,
                 preprocess=images.make_preprocess(spec, train=True, augment=augment),
                 eval_preprocess=images.make_preprocess(spec, train=False, augment=False),
+                batch_preprocess=images.make_batch_preprocess(spec, train=True, augment=augment),
+                eval_batch_preprocess=images.make_batch_preprocess(spec, train=False,
+                                                                   augment=False),
                 device_preprocess=images.make_normalise(spec), num_classes=num_classes)

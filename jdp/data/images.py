@@ -1,6 +1,6 @@
 """Image classification inputs: the presets of the datasets jdp ships configs for,
-the per-example preprocessing on the host (decode, resize, crop, flip) and the
-normalisation, which runs on the device.
+the per-example preprocessing on the host (decode, resize, crop, flip), its batch
+form for images of one size, and the normalisation, which runs on the device.
 
 Images travel to the device as uint8 (4x fewer bytes than float32) and are
 normalised inside the compiled step (`make_normalise`, the default data's
@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -119,11 +119,12 @@ def _resize_shorter_side(image: np.ndarray, size: int) -> np.ndarray:
 
 
 def _crop(image: np.ndarray, size: int, top: int, left: int) -> np.ndarray:
-    return image[top:top + size, left:left + size]
+    """The size x size crop of an HWC image, or of each image of an NHWC batch."""
+    return image[..., top:top + size, left:left + size, :]
 
 
 def _center_crop(image: np.ndarray, size: int) -> np.ndarray:
-    height, width = image.shape[:2]
+    height, width = image.shape[-3:-1]
     return _crop(image, size, (height - size) // 2, (width - size) // 2)
 
 
@@ -159,12 +160,30 @@ def _random_resized_crop(image: np.ndarray, size: int, rng: np.random.Generator)
     return _resize(image, size, size, box=(left, top, left + crop_width, top + crop_height))
 
 
+def _pad(image: np.ndarray, pad: int) -> np.ndarray:
+    """Zeros around the height and width of an HWC image or an NHWC batch."""
+    if not pad:
+        return image
+    return np.pad(image, [(0, 0)] * (image.ndim - 3) + [(pad, pad), (pad, pad), (0, 0)])
+
+
+# The random draws of the augmentation, shared by the per-example and the batch form
+# so that both take the same numbers from an example's generator, in the same order.
+def _draw_crop(rng: np.random.Generator, height: int, width: int,
+               size: int) -> tuple[int, int]:
+    """(top, left) of a random size x size crop of a height x width image."""
+    top = int(rng.integers(0, height - size + 1))
+    return top, int(rng.integers(0, width - size + 1))
+
+
+def _draw_flip(rng: np.random.Generator) -> bool:
+    return bool(rng.random() < 0.5)
+
+
 def _padded_random_crop(image: np.ndarray, size: int, pad: int,
                         rng: np.random.Generator) -> np.ndarray:
-    if pad:
-        image = np.pad(image, ((pad, pad), (pad, pad), (0, 0)))
-    height, width = image.shape[:2]
-    return _crop(image, size, rng.integers(0, height - size + 1), rng.integers(0, width - size + 1))
+    image = _pad(image, pad)
+    return _crop(image, size, *_draw_crop(rng, *image.shape[:2], size))
 
 
 def _to_device_dtype(image: np.ndarray) -> np.ndarray:
@@ -201,11 +220,51 @@ def make_preprocess(
         if image.ndim == 2:
             image = image[..., None]
         image = geometry(image, rng)
-        if augmenting and spec.flip and rng.random() < 0.5:
+        if augmenting and spec.flip and _draw_flip(rng):
             image = image[:, ::-1]
         return {"image": _to_device_dtype(image), "label": np.int32(example[spec.label_key])}
 
     return preprocess
+
+
+def make_batch_preprocess(
+    spec: ImageSpec, *, train: bool, augment: bool
+) -> Callable[[dict, Sequence[np.random.Generator] | None], dict] | None:
+    """The batch form of `make_preprocess(spec, train=..., augment=...)` (a
+    `Data.batch_preprocess`): bitwise the same images and labels for a batch of stacked
+    source images at once. With augmentation only the random draws are per example
+    (from each example's own generator, as `make_preprocess` draws them); the padding,
+    crops and flips are one gather for the batch. None for images that are resized
+    (of varying sizes, or encoded): those are prepared one by one.
+    """
+    if spec.resize:
+        return None
+    size = spec.image_size
+    augmenting = train and augment
+
+    def random_crops(images: np.ndarray, rngs) -> np.ndarray:
+        padded = _pad(images, spec.crop_padding)
+        count, height, width = padded.shape[:3]
+        tops, lefts, flips = np.empty(count, int), np.empty(count, int), np.zeros(count, bool)
+        for i in range(count):
+            tops[i], lefts[i] = _draw_crop(rngs[i], height, width, size)
+            if spec.flip:
+                flips[i] = _draw_flip(rngs[i])
+        offsets = np.arange(size)
+        rows = tops[:, None] + offsets
+        columns = lefts[:, None] + offsets
+        columns = np.where(flips[:, None], columns[:, ::-1], columns)
+        return padded[np.arange(count)[:, None, None], rows[:, :, None], columns[:, None, :]]
+
+    def batch_preprocess(batch: dict, rngs) -> dict:
+        images = np.asarray(batch[spec.image_key])
+        if images.ndim == 3:
+            images = images[..., None]
+        images = random_crops(images, rngs) if augmenting else _center_crop(images, size)
+        return {"image": _to_device_dtype(images),
+                "label": np.asarray(batch[spec.label_key]).astype(np.int32)}
+
+    return batch_preprocess
 
 
 def make_normalise(spec: ImageSpec) -> Callable[[dict], dict]:

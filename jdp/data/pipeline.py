@@ -10,10 +10,15 @@ Batches are prepared by threads of this process, or by worker processes
 (`num_workers`): worker i prepares whole batches i, i+N, i+2N, ... and grain
 interleaves them back in order, so the stream is also the same for any
 number of workers.
+
+Splits that fit in memory take a shorter road to the same batches
+(`jdp.data.in_memory`); `StreamedTrain` and `StreamedEval` are this module's
+side of the interface both roads offer the trainer: `batches(...)`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import queue
@@ -21,6 +26,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grain
 import numpy as np
@@ -117,7 +123,7 @@ def train_batches(
 
     local = (grain.MapDataset.range(num_steps * rows_per_process)
              .map(example)
-             .batch(rows_per_process, batch_fn=_stack))
+             .batch(rows_per_process, batch_fn=stack_examples))
     return _iterate(local, num_threads, num_workers)
 
 
@@ -151,11 +157,12 @@ def eval_batches(
         return out
 
     count = num_eval_batches(num_examples, global_batch_size) * rows_per_process
-    local = grain.MapDataset.range(count).map(example).batch(rows_per_process, batch_fn=_stack)
+    local = (grain.MapDataset.range(count).map(example)
+             .batch(rows_per_process, batch_fn=stack_examples))
     return _iterate(local, num_threads, num_workers)
 
 
-def _stack(examples: list[dict]) -> Batch:
+def stack_examples(examples: list[dict]) -> Batch:
     """Stacks examples into a batch; one clear error when their shapes differ."""
     try:
         return {key: np.stack([np.asarray(e[key]) for e in examples]) for key in examples[0]}
@@ -164,6 +171,35 @@ def _stack(examples: list[dict]) -> Batch:
         raise ValueError(
             f"cannot batch examples of different keys or shapes ({'; '.join(shapes)}). Fix: "
             "make the preprocessing return one shape for every example (pad or crop).") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamedTrain:
+    """The training split streamed through grain, example by example."""
+
+    source: Any
+    preprocess: Callable
+    seed: int
+
+    def batches(self, *, global_batch_size: int, rows: slice, start_step: int,
+                num_steps: int, num_threads: int = 4, num_workers: int = 0) -> Iterator[Batch]:
+        return train_batches(example_stream(self.source, self.preprocess, self.seed),
+                             global_batch_size=global_batch_size, rows=rows,
+                             start_step=start_step, num_steps=num_steps,
+                             num_threads=num_threads, num_workers=num_workers)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamedEval:
+    """The evaluation split streamed through grain, example by example."""
+
+    source: Any
+    preprocess: Callable
+
+    def batches(self, *, global_batch_size: int, rows: slice, num_threads: int = 4,
+                num_workers: int = 0) -> Iterator[Batch]:
+        return eval_batches(self.source, self.preprocess, global_batch_size=global_batch_size,
+                            rows=rows, num_threads=num_threads, num_workers=num_workers)
 
 
 def eval_sample_batch(sample: dict, rows: slice) -> Batch:

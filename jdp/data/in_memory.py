@@ -1,0 +1,313 @@
+"""Splits that fit in memory: read once into arrays, batched by vectorised numpy.
+
+Streaming a split through grain costs ~115 us of Python per example (read and
+decode, grain's wrappers, the index shuffle, a seeded generator): ~15 ms of CPU
+per 128-example batch, taken from the cores the step runs on. A split whose `Data`
+has a batch form of its preprocessing (`Data.batch_preprocess`) is instead read
+once, one array per feature, when `config.data.in_memory` is 'auto' and the arrays
+take at most `BUDGET_BYTES` ('true': whatever they take; 'false': never). A batch
+is then the source positions of its global indices (a lookup in the epoch's
+permutation), one fancy index per feature and one call of the batch preprocessing,
+in the thread that asks for it: `data.num_threads` and `data.num_workers` do not
+apply.
+
+The batches are bitwise grain's (`pipeline.example_stream`): global example g is
+in epoch g // n at the source position grain's shuffle gives g % n in that epoch
+(the same cipher, `jdp.data.index_shuffle`, with the seed grain derives for the
+epoch), and its preprocessing draws from the generator grain's `random_map` makes
+for g. Before a split is used, that is checked against grain itself at a few
+global indices of several epochs, and the batch preprocessing against the
+per-example one on the first examples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+from absl import logging
+
+from jdp.data import index_shuffle, pipeline
+from jdp.data.core import BatchPreprocess, Data, Preprocess
+from jdp.errors import ConfigError
+
+BUDGET_BYTES = 2**30  # 'auto': the most a split's arrays may take, in each process
+_CHECKED_EXAMPLES = 4  # the batch preprocessing is compared with the per-example one on these
+
+Arrays = dict[str, np.ndarray]
+Batch = pipeline.Batch
+
+
+class _Unsuitable(Exception):
+    """Why a split cannot be batched from memory."""
+
+
+def open_train(data: Data, *, seed: int,
+               setting: str) -> InMemoryTrain | pipeline.StreamedTrain:
+    """The training split from memory where `setting` and the data allow, else through grain."""
+    try:
+        loaded = _load(data, train=True, setting=setting)
+        if loaded is not None:
+            order = Order(len(data.train), seed)
+            order.check_against_grain()
+            return InMemoryTrain(*loaded, order)
+    except _Unsuitable as reason:
+        _stream_instead("train", setting, reason)
+    return pipeline.StreamedTrain(data.train, data.preprocess_for(train=True), seed)
+
+
+def open_eval(data: Data, *, setting: str) -> InMemoryEval | pipeline.StreamedEval:
+    """The evaluation split from memory where `setting` and the data allow, else through grain."""
+    try:
+        loaded = _load(data, train=False, setting=setting)
+        if loaded is not None:
+            return InMemoryEval(*loaded)
+    except _Unsuitable as reason:
+        _stream_instead("eval", setting, reason)
+    return pipeline.StreamedEval(data.eval, data.preprocess_for(train=False))
+
+
+def _stream_instead(split: str, setting: str, reason: _Unsuitable) -> None:
+    if setting == "true":
+        raise ConfigError(
+            f"config.data.in_memory='true': the {split} split cannot be batched from memory: "
+            f"{reason}. Fix: pass --config.data.in_memory=auto to stream it through grain "
+            "instead.") from reason
+    logging.info("the %s split streams through grain, example by example: %s", split, reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class InMemoryTrain:
+    """The training split in memory: `batches` gives bitwise what
+    `pipeline.StreamedTrain.batches` gives."""
+
+    arrays: Arrays
+    batch_preprocess: BatchPreprocess
+    order: Order
+
+    def batches(self, *, global_batch_size: int, rows: slice, start_step: int,
+                num_steps: int, num_threads: int = 0, num_workers: int = 0) -> Iterator[Batch]:
+        """This process's rows of global batches start_step .. start_step+num_steps-1,
+        prepared in the thread that iterates (threads and workers do not apply)."""
+        del num_threads, num_workers
+        local_rows = np.arange(rows.start, rows.stop)
+        for step in range(start_step, start_step + num_steps):
+            indices = pipeline.global_index(step, local_rows, global_batch_size)
+            batch = _gather(self.arrays, self.order.positions(indices))
+            yield self.batch_preprocess(batch, self.order.generators(indices))
+
+
+@dataclasses.dataclass(frozen=True)
+class InMemoryEval:
+    """The evaluation split in memory: `batches` gives bitwise what
+    `pipeline.StreamedEval.batches` gives, padding and mask included."""
+
+    arrays: Arrays
+    batch_preprocess: BatchPreprocess
+
+    def batches(self, *, global_batch_size: int, rows: slice, num_threads: int = 0,
+                num_workers: int = 0) -> Iterator[Batch]:
+        del num_threads, num_workers
+        num_examples = len(next(iter(self.arrays.values())))
+        local_rows = np.arange(rows.start, rows.stop)
+        for step in range(pipeline.num_eval_batches(num_examples, global_batch_size)):
+            indices = pipeline.global_index(step, local_rows, global_batch_size)
+            valid = indices < num_examples  # padding: copies of example 0, masked out
+            batch = _gather(self.arrays, np.where(valid, indices, 0))
+            yield {**self.batch_preprocess(batch, None), "mask": valid.astype(np.float32)}
+
+
+def _gather(arrays: Arrays, positions: np.ndarray) -> Batch:
+    return {key: array[positions] for key, array in arrays.items()}
+
+
+def _load(data: Data, *, train: bool, setting: str) -> tuple[Arrays, BatchPreprocess] | None:
+    """The split's arrays and batch preprocessing (checked), None for setting 'false'."""
+    if setting == "false":
+        return None
+    split = "train" if train else "eval"
+    batch_preprocess = data.batch_preprocess_for(train)
+    if batch_preprocess is None:
+        raise _Unsuitable("its Data has no batch form of the preprocessing (Data.batch_preprocess; "
+                          "jdp's image preprocessing has none for images it resizes)")
+    source = data.train if train else data.eval
+    arrays = read(source, budget_bytes=BUDGET_BYTES if setting == "auto" else None)
+    _check_batch_form(arrays, source, data.preprocess_for(train), batch_preprocess,
+                      train=train, where=f"config.data.in_memory={setting!r}: the {split} split")
+    logging.info("the %s split is batched from memory: %d examples, %.1f MiB (%s)", split,
+                 len(source), sum(a.nbytes for a in arrays.values()) / 2**20,
+                 ", ".join(f"{k} {a.dtype}{list(a.shape[1:])}" for k, a in arrays.items()))
+    return arrays, batch_preprocess
+
+
+def _is_numeric(value) -> bool:
+    return np.asarray(value).dtype.kind in "biufc"
+
+
+def read(source, budget_bytes: int | None = None) -> Arrays:
+    """Every example of `source`, one array per feature with the examples on its first
+    axis. Features that are not numeric (bytes, strings) are left out; each numeric one
+    must have one shape and dtype in every example. Raises _Unsuitable, before reading
+    on, once the arrays would take more than `budget_bytes`."""
+    count = len(source)
+    first = source[0]
+    keys = [key for key, value in first.items() if _is_numeric(value)]
+    if not keys:
+        raise _Unsuitable(f"no feature is numeric (they are {', '.join(map(repr, first))})")
+    arrays = {key: np.empty((count, *np.shape(first[key])), np.asarray(first[key]).dtype)
+              for key in keys}
+    size_bytes = sum(array.nbytes for array in arrays.values())  # nothing allocated yet
+    if budget_bytes is not None and size_bytes > budget_bytes:
+        raise _Unsuitable(f"its {count:,} examples take {size_bytes / 2**20:,.1f} MiB, above the "
+                          f"{budget_bytes / 2**20:,.1f} MiB that 'auto' reads into memory")
+    for index in range(count):
+        example = first if index == 0 else source[index]
+        for key, array in arrays.items():
+            if key not in example:
+                raise _Unsuitable(f"example {index} has no feature {key!r}")
+            value = np.asarray(example[key])
+            if value.shape != array.shape[1:] or value.dtype != array.dtype:
+                raise _Unsuitable(f"feature {key!r} is {value.dtype}{list(value.shape)} in example "
+                                  f"{index} but {array.dtype}{list(array.shape[1:])} in example 0")
+            array[index] = value
+    return arrays
+
+
+def _check_batch_form(arrays: Arrays, source, preprocess: Preprocess,
+                      batch_preprocess: BatchPreprocess, *, train: bool, where: str) -> None:
+    """The batch preprocessing of the first examples must be bitwise the stacked
+    per-example preprocessing (with generators seeded alike); a mistake is named here."""
+    count = min(_CHECKED_EXAMPLES, len(source))
+
+    def generators():
+        return [np.random.default_rng(i) for i in range(count)] if train else [None] * count
+
+    expected = pipeline.stack_examples(
+        [preprocess(source[i], rng) for i, rng in enumerate(generators())])
+    fix = ("Fix: make batch_preprocess(batch, rngs) return exactly what stacking "
+           "preprocess(example, rng) gives, or pass --config.data.in_memory=false to use "
+           "preprocess alone.")
+    try:
+        got = batch_preprocess({key: array[:count] for key, array in arrays.items()},
+                               generators() if train else None)
+    except Exception as e:  # noqa: BLE001 - whatever the user's function raises
+        raise ConfigError(
+            f"{where}: its batch_preprocess failed on examples 0-{count - 1} "
+            f"({type(e).__name__}: {e}); it gets the numeric features "
+            f"{sorted(arrays)}. {fix}") from e
+    difference = _difference(got, expected)
+    if difference:
+        raise ConfigError(f"{where}: its batch_preprocess is not its preprocess for a batch: on "
+                          f"examples 0-{count - 1}, {difference}. {fix}")
+
+
+def _difference(got, expected: Batch) -> str:
+    """How a batch differs from the expected one, bitwise; '' when it does not."""
+    if not isinstance(got, dict):
+        return f"it returned {type(got).__name__}, not a dict"
+    if sorted(got) != sorted(expected):
+        return f"it gives features {sorted(got)}, preprocess {sorted(expected)}"
+    for key, want in expected.items():
+        value = np.asarray(got[key])
+        if (value.dtype, value.shape) != (want.dtype, want.shape):
+            return (f"feature {key!r} is {value.dtype}{list(value.shape)}, preprocess gives "
+                    f"{want.dtype}{list(want.shape)}")
+        if value.tobytes() != want.tobytes():
+            return f"feature {key!r} has other values"
+    return ""
+
+
+def _grain_seed(seed: int, depth: int) -> int:
+    """The seed grain gives a transformation `depth` levels below `ds.seed(seed)` (its
+    `_default_seed`): example_stream's shuffle is 1 level below, its random_map 3."""
+    return int(np.random.SeedSequence([seed, depth]).generate_state(1, np.uint32)[0])
+
+
+class Order:
+    """Where global training example g comes from in grain's example stream for `seed`:
+    its source position and the generator its preprocessing draws from."""
+
+    _KEPT_EPOCHS = 2  # a batch spans at most two epochs (unless it holds more than one)
+
+    def __init__(self, num_examples: int, seed: int):
+        self.num_examples = num_examples
+        self.seed = seed
+        self._shuffle_seed = _grain_seed(seed, 1)
+        self._key = np.random.Philox(_grain_seed(seed, 3)).state["state"]["key"]
+        self._permutations: dict[int, np.ndarray] = {}
+        self.pool: list[np.random.Generator] = []  # what `generators` hands out
+
+    def positions(self, global_indices: np.ndarray) -> np.ndarray:
+        """The source positions of `global_indices`: grain's shuffle of each epoch."""
+        epochs, offsets = np.divmod(global_indices, self.num_examples)
+        positions = np.empty_like(offsets)
+        for epoch in np.unique(epochs):
+            here = epochs == epoch
+            positions[here] = self._permutation(int(epoch))[offsets[here]]
+        return positions
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._permutations:
+            if len(self._permutations) >= self._KEPT_EPOCHS:
+                del self._permutations[next(iter(self._permutations))]  # the oldest
+            seed = (self._shuffle_seed + epoch) % 2**32  # grain's seed of epoch `epoch`
+            self._permutations[epoch] = index_shuffle.permutation(self.num_examples, seed)
+        return self._permutations[epoch]
+
+    def generator(self, global_index: int,
+                  reuse: np.random.Generator | None = None) -> np.random.Generator:
+        """grain's generator for example g: Philox with the random_map's key, counter
+        [0, 0, 0, g] and nothing drawn yet; `reuse` is set to that state (~1.5 us, where
+        making a generator takes ~10 us)."""
+        generator = reuse or np.random.Generator(np.random.Philox(key=self._key))
+        generator.bit_generator.state = {
+            "bit_generator": "Philox",
+            "state": {"counter": np.array([0, 0, 0, global_index], np.uint64), "key": self._key},
+            "buffer": np.zeros(4, np.uint64), "buffer_pos": 4, "has_uint32": 0, "uinteger": 0}
+        return generator
+
+    def generators(self, global_indices: np.ndarray) -> Sequence[np.random.Generator]:
+        """The generators of `global_indices`, each set up when first used (a preprocessing
+        that draws nothing costs nothing). They are this Order's, reused by the next call,
+        as grain reuses its own: a batch preprocessing must not keep them."""
+        return _Generators(self, global_indices)
+
+    def check_against_grain(self) -> None:
+        """Raises _Unsuitable unless grain's own example stream has the same source position
+        and generator at global indices of several epochs (another grain version may not)."""
+        n = self.num_examples
+        stream = pipeline.example_stream(range(n), _position_and_draw, self.seed)
+        for index in (0, n - 1, n + n // 2, 5 * n + 3):
+            ours = (int(self.positions(np.array([index]))[0]),
+                    _position_and_draw(0, self.generator(index))[1])
+            if ours != stream[index]:
+                raise _Unsuitable(
+                    f"grain {importlib.metadata.version('grain')} orders or seeds the example "
+                    f"stream otherwise than jdp reproduces it (global example {index}: grain "
+                    f"gives source position and first draw {stream[index]}, jdp {ours})")
+
+
+def _position_and_draw(position: int, rng: np.random.Generator) -> tuple[int, int]:
+    return int(position), int(rng.integers(2**63))
+
+
+class _Generators(Sequence):
+    def __init__(self, order: Order, global_indices: np.ndarray):
+        self._order = order
+        self._indices = global_indices
+        self._ready: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __getitem__(self, i: int) -> np.random.Generator:
+        i = range(len(self._indices))[i]  # negative indices; IndexError past the end
+        pool = self._order.pool
+        while len(pool) <= i:
+            pool.append(np.random.Generator(np.random.Philox()))
+        if i not in self._ready:
+            self._order.generator(int(self._indices[i]), reuse=pool[i])
+            self._ready.add(i)
+        return pool[i]
