@@ -203,15 +203,24 @@ def apply_gradients(tx: optax.GradientTransformation, state: TrainState, grads, 
     to stop or count. Also reports the global gradient, update and parameter
     norms and the learning rate of this step, all computed on the device.
     """
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(metrics[task_lib.LOSS]) & jnp.isfinite(grad_norm)
-    updated = state.replace(params=params, opt_state=opt_state, model_state=model_state,
-                            comm=state.comm if comm is None else comm)
-    state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, state)
-    stats = {"grad_norm": grad_norm, "update_norm": optax.global_norm(updates),
-             "param_norm": optax.global_norm(state.params),
+
+    def update(state):
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return state.replace(params=params, opt_state=opt_state, model_state=model_state,
+                             comm=state.comm if comm is None else comm), \
+            optax.tree.norm(updates)
+
+    def skip(state):
+        return state, jnp.zeros((), jnp.float32)
+
+    # A branch rather than a select of every leaf between the old and new state: a
+    # select makes XLA copy the donated state each step (+18% on a ViT-Ti step).
+    state, update_norm = jax.lax.cond(finite, update, skip, state)
+    stats = {"grad_norm": grad_norm, "update_norm": update_norm,
+             "param_norm": optax.tree.norm(state.params),
              NONFINITE: 1.0 - finite.astype(jnp.float32),
              FIRST_NONFINITE_STEP: jnp.where(finite, jnp.iinfo(jnp.int32).max, state.step + 1)}
     if learning_rate_fn is not None:
