@@ -40,10 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jdp import DATA_AXIS, HOSTS_AXIS, LOCAL_AXIS
+from jdp import HOSTS_AXIS, LOCAL_AXIS
 
-KINDS = ("flat", "two_level")
-CROSS_HOST_DTYPES = ("float32", "bfloat16", "int8")
 INT8_BLOCK = 256  # values per float32 scale
 INT8_MAX = 127.0
 
@@ -91,9 +89,9 @@ class Reduction:
         return {"shard": (self.hosts, padded), "chunk": (padded,)}
 
     def __call__(self, grads, residuals: dict):
-        """(summed gradients, new residuals); runs on one device under the mesh axes."""
-        if self.kind == "flat":
-            return jax.lax.psum(grads, DATA_AXIS), residuals
+        """(summed gradients, new residuals) of the two-level reduction; runs on one device
+        under the mesh axes. (The flat reduction is one psum, which `device_gradients`
+        shares with the metric sums.)"""
         flat, unravel = jax.flatten_util.ravel_pytree(grads)
         size = flat.size
         flat = jnp.pad(flat, (0, self.padded_size(size) - size))

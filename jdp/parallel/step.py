@@ -11,10 +11,9 @@ loss is the weighted mean over the whole global batch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
-
-import dataclasses
 
 import flax.struct
 import jax
@@ -176,13 +175,13 @@ def device_gradients(
     with jax.named_scope(GRADIENT_ALL_REDUCE):  # found by this name in the HLO (the plan)
         if gather is not None:  # already reduce-scattered by the gather's transpose
             flat_sums = jax.lax.psum(flat_sums, DATA_AXIS)
-        elif reduction.kind == "flat":
-            grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
-            grads, flat_sums = jax.lax.psum((grads, flat_sums), DATA_AXIS)
         else:
             grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
-            grads, residuals = reduction(grads, residuals)
-            flat_sums = jax.lax.psum(flat_sums, DATA_AXIS)
+            if reduction.kind == "flat":
+                grads, flat_sums = jax.lax.psum((grads, flat_sums), DATA_AXIS)
+            else:
+                grads, residuals = reduction(grads, residuals)
+                flat_sums = jax.lax.psum(flat_sums, DATA_AXIS)
     sums = unflatten(flat_sums)
     loss_weight = sums[task_lib.LOSS][1]
     grads = jax.tree.map(lambda g: task_lib.safe_divide(g.astype(jnp.float32), loss_weight),
