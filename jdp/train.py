@@ -25,8 +25,7 @@ from jdp.checkpoint import Checkpointer, DamagedCheckpointError, load_params
 from jdp.config import BatchPlan
 from jdp.data import in_memory, pipeline
 from jdp.experiment import Experiment, Parts
-from jdp.parallel import (Backend, Reduction, StepOptions, TrainState, compiler_options,
-                          make_backend)
+from jdp.parallel import Backend, Reduction, StepOptions, TrainState, compiler_options, make_backend
 from jdp.parallel import step as step_lib
 from jdp.watchdog import Watchdog
 

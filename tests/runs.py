@@ -56,6 +56,13 @@ def assert_same_trajectory(run, reference, logged_steps=(3, 6, 9, 12)):
 
 def compiled_step(path: str, *overrides: str, devices=None, global_batch_size=128):
     """(backend, state, compiled train step) for an experiment, without a workdir."""
+    backend, state, batch = prepared_step(path, *overrides, devices=devices,
+                                          global_batch_size=global_batch_size)
+    return backend, state, backend.compiled_train_step(state, batch)
+
+
+def prepared_step(path: str, *overrides: str, devices=None, global_batch_size=128):
+    """(backend, state, a zero batch) for an experiment's train step, nothing compiled."""
     import jax
     import numpy as np
 
@@ -73,7 +80,7 @@ def compiled_step(path: str, *overrides: str, devices=None, global_batch_size=12
     rows = global_batch_size // jax.process_count()
     batch = backend.put_batch({key: np.zeros((rows, *np.shape(value)), np.asarray(value).dtype)
                                for key, value in parts.sample.items()})
-    return backend, state, backend.compiled_train_step(state, batch)
+    return backend, state, batch
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,8 +12,14 @@ from jdp import DATA_AXIS
 from jdp import config as config_lib
 from jdp.errors import ConfigError
 from jdp.parallel import hlo
-from runs import (assert_same_trajectory, checkpoint_arrays, compiled_step, load_config, losses,
-                  train)
+from runs import (
+    assert_same_trajectory,
+    checkpoint_arrays,
+    load_config,
+    losses,
+    prepared_step,
+    train,
+)
 
 VIT = "experiments/vit.py"
 RESNET = "experiments/resnet.py"
@@ -28,12 +34,11 @@ HOST_OF = {device: device // 4 for device in range(8)}
 def _gradient_collectives(*overrides, lowered=False):
     """The step's gradient collectives (not the metric sums), compiled or as lowered
     (XLA:CPU widens bfloat16 collectives to float32 when compiling; GPUs do not)."""
-    backend, state, compiled = compiled_step(VIT, *overrides)
-    text = compiled.as_text()
+    backend, state, batch = prepared_step(VIT, *overrides)
     if lowered:
-        batch = backend.put_batch({"image": np.zeros((128, 8, 8, 1), np.uint8),
-                                   "label": np.zeros(128, np.int32)})
         text = backend.lowered_train_step(state, batch).as_text(dialect="hlo", debug_info=True)
+    else:
+        text = backend.compiled_train_step(state, batch).as_text()
     ops = [op for op in hlo.collectives(text)
            if "gradient_all_reduce" in op.op_name and op.bytes > 64]
     grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(state.params))
@@ -179,7 +184,8 @@ def test_an_int8_run_resumes_bitwise_with_its_residuals(tmp_path):
     whole = train(VIT, tmp_path / "whole", *settings)
     saved = checkpoint_arrays(tmp_path / "whole", 6)
     assert np.abs(saved["comm"]["shard"]).max() > 0  # the residuals were saved
-    shutil.copytree(tmp_path / "whole" / "checkpoints" / "6", tmp_path / "cut" / "checkpoints" / "6")
+    shutil.copytree(tmp_path / "whole" / "checkpoints" / "6",
+                    tmp_path / "cut" / "checkpoints" / "6")
     shutil.copy(tmp_path / "whole" / "config.json", tmp_path / "cut" / "config.json")
     resumed = train(VIT, tmp_path / "cut", *settings)
     assert losses(resumed[1]) == {step: loss for step, loss in losses(whole[1]).items()

@@ -85,12 +85,12 @@ def test_norms_and_learning_rate_come_from_the_step(every_step):
         total, weight = weighted_sums(parts.task.objective(outputs, batch))["loss"]
         return total / weight
 
-    grad_norm = float(optax.global_norm(jax.grad(loss)(state.params)))
+    grad_norm = float(optax.tree.norm(jax.grad(loss)(state.params)))
     first, second = every_step[1][:2]
     assert (first["step"], second["step"]) == (1, 2)
     np.testing.assert_allclose(first["train/grad_norm"], grad_norm, rtol=1e-4)
     # The warmup starts at a learning rate of 0: step 1 leaves the params where they were.
-    np.testing.assert_allclose(first["train/param_norm"], float(optax.global_norm(state.params)),
+    np.testing.assert_allclose(first["train/param_norm"], float(optax.tree.norm(state.params)),
                                rtol=1e-6)
     assert first["train/update_norm"] == 0 and second["train/update_norm"] > 0
     lr = optim.learning_rate_fn(config)

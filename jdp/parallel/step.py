@@ -104,6 +104,9 @@ def fsdp_gather(specs, reduce_dtype: jnp.dtype, axis_name: tuple[str, ...] = DAT
     return lambda params: jax.tree.map(lambda gather, p: gather(p), gathers, params)
 
 
+FLAT = Reduction()  # one all-reduce of the gradients over the whole mesh
+
+
 def device_gradients(
     model: Model,
     task: Task,
@@ -114,7 +117,7 @@ def device_gradients(
     *,
     accum_steps: int,
     reduce_dtype: jnp.dtype,
-    reduction: Reduction = Reduction(),
+    reduction: Reduction = FLAT,
     residuals: dict | None = None,
     gather=None,
     device_preprocess: Callable[[dict], dict] | None = None,
