@@ -67,15 +67,41 @@ def _optimizer_state_bytes_on_one_device(state):
                for shard in leaf.addressable_shards if shard.device == device)
 
 
-def test_zero1_divides_per_device_optimizer_state_about_n_fold():
-    _, replicated, full = compiled_step(VIT)
-    _, sharded, zero = compiled_step(VIT, "--config.parallel.shard_optimizer_state=true")
+@pytest.fixture(scope="module")
+def zero1_steps():
+    """(state, compiled step) of the ViT replicated and with ZeRO-1, on 8 devices."""
+    return {name: compiled_step(VIT, *overrides)[1:] for name, overrides in [
+        ("replicated", ()), ("zero1", ("--config.parallel.shard_optimizer_state=true",))]}
+
+
+def test_zero1_divides_per_device_optimizer_state_about_n_fold(zero1_steps):
+    (replicated, full), (sharded, zero) = zero1_steps["replicated"], zero1_steps["zero1"]
     ratio = _optimizer_state_bytes_on_one_device(sharded) / \
         _optimizer_state_bytes_on_one_device(replicated)
     assert ratio < 1.5 / 8, ratio  # 1/8 plus the leaves too small to split
     saved = full.memory_analysis().argument_size_in_bytes - \
         zero.memory_analysis().argument_size_in_bytes
     assert saved > 0.8 * _optimizer_state_bytes_on_one_device(replicated)
+
+
+def test_zero1_reduce_scatters_the_gradients_and_sends_what_data_parallelism_sends(
+        zero1_steps):
+    # Each device's optimizer state updates one shard, so it needs only that shard of
+    # the reduced gradient: a reduce-scatter (half a ring all-reduce), then the
+    # all-gather of the updated params (the other half). An all-reduce followed by
+    # the all-gather sent 1.5x.
+    def collectives(name):
+        return hlo.collectives(zero1_steps[name][1].as_text())
+
+    def sent(name):
+        return sum(op.ring_bytes_sent(8) for op in collectives(name))
+
+    (state, _) = zero1_steps["zero1"]
+    grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(state.params))
+    scattered = sum(op.operand_bytes or 8 * op.bytes for op in collectives("zero1")
+                    if op.kind == "reduce-scatter")
+    assert scattered > 0.9 * grad_bytes  # all but the leaves too small to split
+    assert sent("zero1") <= 1.02 * sent("replicated"), (sent("zero1"), sent("replicated"))
 
 
 def test_remat_lowers_the_compiled_temp_memory():

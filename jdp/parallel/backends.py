@@ -195,21 +195,28 @@ class PjitBackend(Backend):
             for key, value in local_batch.items()
         }
 
-    def _step_fn(self, param_specs):
+    def _step_fn(self, param_specs, abstract_params):
         """The train step; `param_specs` are the params' PartitionSpecs (FSDP shards them)."""
         opts, model, task, mesh = self.options, self.model, self.task, self.mesh
         reduce_dtype = jnp.dtype(opts.reduce_dtype)
         # FSDP: params enter the per-device computation as shards, are gathered where
         # the model uses them, and their gradients leave reduce-scattered, as shards.
         gather = step_lib.fsdp_gather(param_specs, reduce_dtype) if opts.shard_params else None
-        grad_specs = param_specs if opts.shard_params else P()
+        param_in_specs = grad_specs = param_specs if opts.shard_params else P()
+        # ZeRO-1: gradients leave reduce-scattered, split as the optimizer state is,
+        # which is all the update needs; the updated params are all-gathered after it.
+        scatter_specs = None
+        if opts.shard_optimizer_state and not opts.shard_params and opts.reduction.kind == "flat":
+            scatter_specs = jax.tree.map(
+                lambda x: mesh_lib.sharded_over_data(tuple(x.shape), mesh.size), abstract_params)
+            grad_specs = scatter_specs
 
         def device_grads(params, model_state, batch, rng, step, residuals):
             return step_lib.device_gradients(
                 model, task, params, model_state, batch, step_lib.step_rng(rng, step),
                 accum_steps=opts.accum_steps, reduce_dtype=reduce_dtype,
                 reduction=opts.reduction, residuals=residuals, gather=gather,
-                device_preprocess=opts.device_preprocess)
+                scatter_specs=scatter_specs, device_preprocess=opts.device_preprocess)
 
         def train_step(state, batch):
             # check_vma=False gives pmap's semantics: the gradient of a replicated
@@ -218,7 +225,7 @@ class PjitBackend(Backend):
             comm_specs = {name: RESIDUAL_SPECS[name] for name in state.comm}
             grads, model_state, metrics, comm = jax.shard_map(
                 device_grads, mesh=mesh,
-                in_specs=(grad_specs, P(), P(DATA_AXIS), P(), P(), comm_specs),
+                in_specs=(param_in_specs, P(), P(DATA_AXIS), P(), P(), comm_specs),
                 out_specs=(grad_specs, P(), P(), comm_specs),
                 check_vma=False,
             )(state.params, state.model_state, batch, state.rng, state.step, state.comm)
@@ -232,7 +239,7 @@ class PjitBackend(Backend):
             state_shardings = jax.tree.map(lambda x: x.sharding, state)
             param_specs = jax.tree.map(lambda sharding: sharding.spec, state_shardings.params)
             self._train_step = jax.jit(
-                self._step_fn(param_specs),
+                self._step_fn(param_specs, state.params),
                 in_shardings=(state_shardings, mesh_lib.batch_sharding(self.mesh)),
                 out_shardings=(state_shardings, mesh_lib.replicated(self.mesh)),
                 donate_argnums=0,

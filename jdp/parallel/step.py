@@ -76,13 +76,13 @@ def fsdp_gather(specs, reduce_dtype: jnp.dtype, axis_name: tuple[str, ...] = DAT
     """
 
     def gather_leaf(spec):
-        dims = [dim for dim, name in enumerate(spec) if name is not None]
+        dim = _split_dim(spec)
 
         @jax.custom_vjp
         def gather(x):
-            if not dims:
+            if dim is None:
                 return x
-            return jax.lax.all_gather(x, axis_name, axis=dims[0], tiled=True)
+            return jax.lax.all_gather(x, axis_name, axis=dim, tiled=True)
 
         def forward(x):
             return gather(x), None
@@ -90,9 +90,8 @@ def fsdp_gather(specs, reduce_dtype: jnp.dtype, axis_name: tuple[str, ...] = DAT
         def backward(_, g):
             g = g.astype(reduce_dtype)
             with jax.named_scope(GRADIENT_ALL_REDUCE):
-                if dims:
-                    g = jax.lax.psum_scatter(g, axis_name, scatter_dimension=dims[0],
-                                             tiled=True)
+                if dim is not None:
+                    g = jax.lax.psum_scatter(g, axis_name, scatter_dimension=dim, tiled=True)
                 else:
                     g = jax.lax.psum(g, axis_name)
             return (g.astype(jnp.float32),)
@@ -120,6 +119,7 @@ def device_gradients(
     reduction: Reduction = FLAT,
     residuals: dict | None = None,
     gather=None,
+    scatter_specs=None,
     device_preprocess: Callable[[dict], dict] | None = None,
 ):
     """Gradients of the global weighted mean loss, the updated model state, the metrics
@@ -136,6 +136,11 @@ def device_gradients(
     gradients come back reduced and sharded from the gather's transpose, once per
     micro-batch; the one psum then carries only the metric sums. A two-level
     `reduction` reduces the gradients by itself, and the sums travel apart.
+
+    With `scatter_specs` (ZeRO-1: the optimizer state's PartitionSpecs, params
+    replicated), each gradient the specs split comes back reduce-scattered, as
+    the shard this device's optimizer state updates; the others travel with the
+    metric sums in one psum.
     """
 
     def loss_fn(p, state, micro_batch, key):
@@ -180,7 +185,9 @@ def device_gradients(
             flat_sums = jax.lax.psum(flat_sums, DATA_AXIS)
         else:
             grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
-            if reduction.kind == "flat":
+            if reduction.kind == "flat" and scatter_specs is not None:
+                grads, flat_sums = _reduce_scatter(grads, flat_sums, scatter_specs)
+            elif reduction.kind == "flat":
                 grads, flat_sums = jax.lax.psum((grads, flat_sums), DATA_AXIS)
             else:
                 grads, residuals = reduction(grads, residuals)
@@ -190,6 +197,28 @@ def device_gradients(
     grads = jax.tree.map(lambda g: task_lib.safe_divide(g.astype(jnp.float32), loss_weight),
                          grads)
     return grads, model_state, task_lib.means(sums), residuals
+
+
+def _split_dim(spec: P) -> int | None:
+    """The dimension a ZeRO/FSDP spec splits over the data axis (at most one), or None."""
+    dims = [dim for dim, name in enumerate(spec) if name is not None]
+    return dims[0] if dims else None
+
+
+def _reduce_scatter(grads, flat_sums, specs):
+    """(gradients reduced over the data axis, each split leaf reduce-scattered along the
+    dimension its spec splits; the metric sums reduced): ZeRO-1's reduction. A ring
+    reduce-scatter sends half of an all-reduce, and the params' all-gather after the
+    update the other half, so ZeRO-1 sends what plain data parallelism does."""
+    leaves, treedef = jax.tree.flatten(grads)
+    dims = [_split_dim(spec) for spec in treedef.flatten_up_to(specs)]
+    whole = [leaf for leaf, dim in zip(leaves, dims, strict=True) if dim is None]
+    whole, flat_sums = jax.lax.psum((whole, flat_sums), DATA_AXIS)
+    whole = iter(whole)
+    reduced = [next(whole) if dim is None else
+               jax.lax.psum_scatter(leaf, DATA_AXIS, scatter_dimension=dim, tiled=True)
+               for leaf, dim in zip(leaves, dims, strict=True)]
+    return jax.tree.unflatten(treedef, reduced), flat_sums
 
 
 # Per-step statistics the step reports beside the task's metrics.
