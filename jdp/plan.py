@@ -257,7 +257,8 @@ def _gradient_lines(inputs: PlanInputs) -> tuple[list[str], int]:
                      "the model's own (BatchNorm's global-batch statistics) or, with "
                      "sharded state, XLA's (global norms of sharded gradients)")
     if any(c.kind == "reduce-scatter" and _is_gradient_reduce(c) for c in inputs.collectives):
-        lines.append("  as reduce-scatters (FSDP): each device keeps the sum of its own shard")
+        lines.append("  as reduce-scatters (FSDP, ZeRO-1): each device keeps the sum of its "
+                     "own shard")
     if total == 0:
         lines.append("  no all-reduce outside loops: scaling below uses the expected bytes")
         return lines, expected
