@@ -14,6 +14,7 @@ import pytest
 from jdp import exit_codes
 from runs import (
     checkpoint_arrays,
+    load_config,
     logged_steps,
     losses,
     read_metrics,
@@ -157,3 +158,22 @@ def test_init_from_a_different_model_names_the_parameter_and_shapes(reference, t
     message = proc.stderr.strip().splitlines()[-1]
     assert "params/encoder_block_0/LayerNorm_0/bias is (64,) in the checkpoint but (192,) " \
         "in the model" in message
+
+
+def test_a_changed_total_steps_resumes_and_says_what_it_does_to_the_schedule(tmp_path,
+                                                                              monkeypatch):
+    from jdp import main as jdp_main
+    from jdp import train as train_lib
+
+    saved = json.loads(load_config(VIT).to_json())
+    (tmp_path / train_lib.CHECKPOINT_DIR).mkdir()
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    warnings = []
+    monkeypatch.setattr(jdp_main.logging, "warning",
+                        lambda message, *args: warnings.append(message % args))
+    jdp_main._check_resumable(str(tmp_path), saved)  # the same config: nothing to say
+    assert warnings == []
+    jdp_main._check_resumable(str(tmp_path), {**saved, "total_steps": 2 * saved["total_steps"]})
+    [warning] = warnings
+    assert f"resuming with total_steps {2 * saved['total_steps']} instead of " \
+        f"{saved['total_steps']}" in warning and "learning-rate schedule" in warning
