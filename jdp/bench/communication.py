@@ -28,6 +28,7 @@ from jdp import DATA_AXIS, HOSTS_AXIS, LOCAL_AXIS, modeling
 from jdp.mesh import make_mesh
 from jdp.models import resnet, vit
 from jdp.parallel import Reduction, StepOptions, hlo, make_backend
+from jdp.parallel.reduction import param_count
 from jdp.task import classification
 
 MIB = 2**20
@@ -73,7 +74,7 @@ def step_traffic(model, args, reduction: str) -> tuple[list[hlo.Traffic], int]:
     example = {"image": np.zeros((args.image_size, args.image_size, 3), np.float32),
                "label": np.zeros((), np.int32)}
     state = backend.abstract_state(jax.random.key(0), (example["image"][None],))
-    grad_bytes = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(state.params))
+    grad_bytes = param_count(state.params) * 4
     state, batch = backend.abstract_working(state, example, mesh.size)
     program = backend.lowered_train_step(state, batch).as_text(dialect="hlo")
     host_of = {device.id: host for host, row in enumerate(mesh.devices) for device in row}

@@ -34,7 +34,7 @@ from jdp import DATA_AXIS, HOSTS_AXIS, LOCAL_AXIS
 from jdp import mesh as mesh_lib
 from jdp.modeling import Model
 from jdp.parallel import step as step_lib
-from jdp.parallel.reduction import RESIDUAL_SPECS, Reduction
+from jdp.parallel.reduction import FLAT, RESIDUAL_SPECS, Reduction
 from jdp.task import Task
 
 
@@ -47,7 +47,7 @@ class StepOptions:
     compiler_options: dict | None = None  # passed to XLA when compiling the train step
     learning_rate_fn: Callable | None = None  # step -> LR, reported from inside the step
     device_preprocess: Callable | None = None  # batch -> batch before the model (jdp.data.Data)
-    reduction: Reduction = Reduction()  # how gradients are summed (pjit; pmap: flat only)
+    reduction: Reduction = FLAT  # how gradients are summed (pjit; pmap: flat only)
 
 
 def compiler_options(platform: str, remat: str, shard_params: bool = False) -> dict | None:

@@ -146,5 +146,8 @@ class Reduction:
         return (blocks * sent["scales"][..., None]).reshape(values.shape)
 
 
+FLAT = Reduction()  # one all-reduce of the gradients over the whole mesh
+
+
 def param_count(params) -> int:
     return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params))

@@ -26,7 +26,7 @@ from jdp import DATA_AXIS
 from jdp import task as task_lib
 from jdp.metrics import FIRST_NONFINITE_STEP
 from jdp.modeling import Model
-from jdp.parallel.reduction import Reduction, param_count
+from jdp.parallel.reduction import FLAT, Reduction, param_count
 from jdp.task import Task
 
 
@@ -101,9 +101,6 @@ def fsdp_gather(specs, reduce_dtype: jnp.dtype, axis_name: tuple[str, ...] = DAT
 
     gathers = jax.tree.map(gather_leaf, specs, is_leaf=lambda x: isinstance(x, P))
     return lambda params: jax.tree.map(lambda gather, p: gather(p), gathers, params)
-
-
-FLAT = Reduction()  # one all-reduce of the gradients over the whole mesh
 
 
 def device_gradients(
