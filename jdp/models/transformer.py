@@ -1,8 +1,10 @@
 """Decoder-only Transformer language model in Flax Linen.
 
-Owns the causal LM, its standard sizes by name, `transformer(size, ...)`, the
-rotary position embedding and the model-FLOPs count per token. Compute runs in
-`dtype` while parameters stay in `param_dtype`; the logits are float32.
+Owns the causal LM, its standard sizes by name (GPT-2's among them), `transformer(size,
+...)`, the rotary position embedding, the attention mask of packed documents, the model's
+key/value cache for decoding (`decode=True`; the sampling loop is `decoding.py`'s) and the
+model-FLOPs count per token. Compute runs in `dtype` while parameters stay in
+`param_dtype`; the logits are float32.
 """
 
 import functools
@@ -10,16 +12,26 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
+from jax import lax
 
 from jdp.models.remat import maybe_remat, remat_policy
 from jdp.models.vit import MlpBlock
 
-TRANSFORMER_SIZES: dict[str, dict[str, int]] = {
+TRANSFORMER_SIZES: dict[str, dict[str, Any]] = {
     # For quick CPU runs on the built-in addition task.
     "nano": dict(hidden_size=64, num_layers=2, num_heads=4, mlp_dim=256),
     "tiny": dict(hidden_size=128, num_layers=4, num_heads=4, mlp_dim=512),
     "small": dict(hidden_size=384, num_layers=6, num_heads=6, mlp_dim=1536),
     "base": dict(hidden_size=768, num_layers=12, num_heads=12, mlp_dim=3072),
+    # GPT-2's architecture (Radford et al., 2019): 64-dim heads, learned positions and the
+    # head tied to the token embedding. gpt2_small with vocab_size=50257 and max_len=1024
+    # is GPT-2 small, 124,439,808 parameters; the two below are for CPU runs.
+    "gpt2_micro": dict(hidden_size=128, num_layers=4, num_heads=2, mlp_dim=512,
+                       positions="learned", tie_embeddings=True),
+    "gpt2_mini": dict(hidden_size=384, num_layers=6, num_heads=6, mlp_dim=1536,
+                      positions="learned", tie_embeddings=True),
+    "gpt2_small": dict(hidden_size=768, num_layers=12, num_heads=12, mlp_dim=3072,
+                       positions="learned", tie_embeddings=True),
 }
 
 POSITIONS = ("rotary", "learned")
@@ -29,43 +41,101 @@ _ROTARY_BASE = 10_000.0
 
 
 def apply_rotary(x: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
-    """Rotary position embedding of `x` [..., length, heads, head_dim] at `positions` [length].
+    """Rotary position embedding of `x` [..., length, heads, head_dim] at `positions`.
 
-    Rotates the pairs (x[i], x[i + head_dim/2]) by the angle position * base^(-2i/head_dim),
-    so the dot product of a rotated query and key depends only on their offset. The
-    angles and rotation are computed in float32 (in bf16 the angles of later positions
-    would be off by whole radians) and the result is cast back to x's dtype.
+    `positions` is [length] (shared by the batch) or [batch, length] (per example, as in
+    packed text where they restart at every document). Rotates the pairs (x[i],
+    x[i + head_dim/2]) by the angle position * base^(-2i/head_dim), so the dot product of a
+    rotated query and key depends only on their offset. The angles and rotation are
+    computed in float32 (in bf16 the angles of later positions would be off by whole
+    radians) and the result is cast back to x's dtype.
     """
     half = x.shape[-1] // 2
     inverse_frequencies = _ROTARY_BASE ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions.astype(jnp.float32)[:, None] * inverse_frequencies  # [length, half]
+    angles = positions.astype(jnp.float32)[..., None] * inverse_frequencies  # [..., length, half]
     # Broadcast over heads, which come between length and head_dim.
-    sin, cos = jnp.sin(angles)[:, None, :], jnp.cos(angles)[:, None, :]
+    sin, cos = jnp.sin(angles)[..., None, :], jnp.cos(angles)[..., None, :]
     first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
     return rotated.astype(x.dtype)
 
 
-def _causal_attention(
-    query: jnp.ndarray,
-    key: jnp.ndarray,
-    value: jnp.ndarray,
-    mask: jnp.ndarray,
-    dtype: Any = None,
-    rotary: bool = False,
-) -> jnp.ndarray:
-    """Masked dot-product attention, optionally with RoPE on queries and keys.
+def attention_mask(length: int, segment_ids: jnp.ndarray | None = None) -> jnp.ndarray:
+    """Query q may attend to key k iff k <= q and, given `segment_ids`, both are one document.
 
-    The softmax runs in float32 and its weights are cast back to the value dtype, so
-    both matmuls run in `dtype` (see vit._attention for why).
+    [1, 1, length, length] without `segment_ids`, else [batch, 1, length, length]; it
+    broadcasts over heads. Padding (segment 0) attends only to padding, and every query
+    keeps at least itself, so no softmax row is empty.
     """
-    if rotary:
-        positions = jnp.arange(query.shape[-3])
-        query, key = apply_rotary(query, positions), apply_rotary(key, positions)
-    weights = nn.dot_product_attention_weights(
-        query, key, mask=mask, dtype=dtype, force_fp32_for_softmax=True
-    )
-    return jnp.einsum("...hqk,...khd->...qhd", weights.astype(value.dtype), value)
+    mask = nn.make_causal_mask(jnp.ones(length, jnp.bool_))[None]
+    if segment_ids is not None:
+        mask = nn.combine_masks(mask, nn.make_attention_mask(segment_ids, segment_ids, jnp.equal))
+    return mask
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention with optional RoPE and, when `decode`, a key/value cache.
+
+    The parameters are nn.MultiHeadDotProductAttention's (`query`, `key`, `value` project to
+    [heads, head_dim], `out` projects back), so params of either load into the other. flax's
+    own decode mode does not fit: it takes one token per call (no prefill of a prompt) and
+    caches the keys before `attention_fn`, where RoPE would rotate the whole cache again
+    at every step. Here keys are rotated at their true positions once, then cached.
+
+    The cache is the 'cache' collection: `cached_key` and `cached_value` [batch, cache
+    length, heads, head_dim]. The first call with `decode` (`init`, no cache yet) creates
+    them as zeros the size of its input and attends as without a cache; later calls write
+    their keys and values at `cache_index` and attend to the cache's first
+    `cache_index + t + 1` entries from their t-th query.
+    """
+
+    num_heads: int
+    rotary: bool
+    dtype: Any
+    param_dtype: Any
+    decode: bool = False
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jnp.ndarray,
+        mask: jnp.ndarray | None,
+        positions: jnp.ndarray,
+        cache_index: jnp.ndarray | None = None,
+    ) -> jnp.ndarray:
+        features = x.shape[-1]
+        dense = functools.partial(
+            nn.DenseGeneral,
+            axis=-1,
+            features=(self.num_heads, features // self.num_heads),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+        )
+        query, key, value = dense(name="query")(x), dense(name="key")(x), dense(name="value")(x)
+        if self.rotary:
+            query, key = apply_rotary(query, positions), apply_rotary(key, positions)
+        if self.decode:
+            cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+            cached_value = self.variable(
+                "cache", "cached_value", jnp.zeros, value.shape, value.dtype
+            )
+            if cache_index is not None:
+                start = (0, cache_index, 0, 0)
+                key = lax.dynamic_update_slice(cached_key.value, key, start)
+                value = lax.dynamic_update_slice(cached_value.value, value, start)
+                cached_key.value, cached_value.value = key, value
+                # Causal over the cache; its entries past the last written one are zeros.
+                query_slots = cache_index + jnp.arange(x.shape[-2])
+                mask = (jnp.arange(key.shape[-3]) <= query_slots[:, None])[None, None]
+        # The softmax runs in float32 and its weights are cast back to the value dtype, so
+        # both matmuls run in `dtype` (see vit._attention for why).
+        weights = nn.dot_product_attention_weights(
+            query, key, mask=mask, dtype=self.dtype, force_fp32_for_softmax=True
+        )
+        y = jnp.einsum("...hqk,...khd->...qhd", weights.astype(value.dtype), value)
+        return nn.DenseGeneral(
+            features, axis=(-2, -1), dtype=self.dtype, param_dtype=self.param_dtype, name="out"
+        )(y)
 
 
 class DecoderBlock(nn.Module):
@@ -77,19 +147,27 @@ class DecoderBlock(nn.Module):
     dropout_rate: float
     dtype: Any
     param_dtype: Any
+    decode: bool = False
 
     @nn.compact
-    def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
-        # Position t attends to positions <= t; [1, 1, length, length] broadcasts over
-        # batch and heads.
-        causal_mask = nn.make_causal_mask(jnp.ones(x.shape[1], jnp.bool_))[None]
+    def __call__(
+        self,
+        x: jnp.ndarray,
+        train: bool,
+        mask: jnp.ndarray | None,
+        positions: jnp.ndarray,
+        cache_index: jnp.ndarray | None = None,
+    ) -> jnp.ndarray:
         y = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype)(x)
-        y = nn.MultiHeadDotProductAttention(
+        # Named as the nn.MultiHeadDotProductAttention it replaced, whose params it has.
+        y = CausalSelfAttention(
             num_heads=self.num_heads,
+            rotary=self.rotary,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
-            attention_fn=functools.partial(_causal_attention, rotary=self.rotary),
-        )(y, y, mask=causal_mask)
+            decode=self.decode,
+            name="MultiHeadDotProductAttention_0",
+        )(y, mask, positions, cache_index)
         y = nn.Dropout(self.dropout_rate)(y, deterministic=not train)
         x = x + y
         y = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype)(x)
@@ -100,11 +178,23 @@ class DecoderBlock(nn.Module):
 class Transformer(nn.Module):
     """Causal language model over int tokens [batch, length]; returns float32 logits.
 
-    Logits at position t predict token t + 1 from tokens 0..t. `positions='rotary'`
-    applies RoPE to queries and keys in every layer, `'learned'` adds a learned
-    absolute embedding of up to `max_len` positions to the token embedding. `remat`
-    names a policy from `REMAT_POLICIES`, applied to each block. Dropout needs
-    `rngs={'dropout': key}` when `train`.
+    Logits at position t predict token t + 1 from tokens 0..t. For packed text pass
+    `segment_ids` [batch, length] (1, 2, ... per document in the window, 0 for padding):
+    a token then attends only to earlier tokens of its own document. `positions` [batch,
+    length] (restarting at 0 at each document) replace 0..length-1 as the positions of
+    RoPE and of the learned embedding. Without either the model computes exactly what it
+    did before they existed.
+
+    `positions='rotary'` applies RoPE to queries and keys in every layer, `'learned'` adds a
+    learned absolute embedding of up to `max_len` positions to the token embedding.
+    `tie_embeddings` computes the logits with the token embedding's transpose instead of a
+    separate `head`. `remat` names a policy from `REMAT_POLICIES`, applied to each block.
+    Dropout needs `rngs={'dropout': key}` when `train`.
+
+    `decode=True` is the same model (the same params) with a key/value cache in the 'cache'
+    collection: `init` on tokens [batch, cache length] creates it, then each `apply(...,
+    mutable=['cache'])` appends its tokens (a prompt, then one at a time) at the next
+    positions and returns their logits. `decoding.generate` drives it.
     """
 
     vocab_size: int
@@ -118,6 +208,8 @@ class Transformer(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     remat: str = "none"
+    tie_embeddings: bool = False
+    decode: bool = False
 
     def __post_init__(self) -> None:
         # Fail when the model is built from the config, not at the first trace.
@@ -141,22 +233,64 @@ class Transformer(nn.Module):
             )
         super().__post_init__()
 
-    @nn.compact
-    def __call__(self, tokens: jnp.ndarray, train: bool) -> jnp.ndarray:
+    def _check_inputs(
+        self,
+        tokens: jnp.ndarray,
+        segment_ids: jnp.ndarray | None,
+        positions: jnp.ndarray | None,
+    ) -> None:
         length = tokens.shape[1]
         if length > self.max_len:
             raise ValueError(
                 f"Sequence length ({length}) exceeds max_len ({self.max_len}); "
                 f"raise `max_len` or shorten the sequences"
             )
-        x = nn.Embed(
+        for name, feature in (("segment_ids", segment_ids), ("positions", positions)):
+            if feature is not None and feature.shape != tokens.shape:
+                raise ValueError(
+                    f"{name} has shape {feature.shape} but the tokens have shape "
+                    f"{tokens.shape}; pass one {name[:-1]} per token"
+                )
+        if self.decode and segment_ids is not None:
+            raise ValueError(
+                "decode=True continues one sequence per example, so it takes no segment_ids; "
+                "call it without `segment_ids`"
+            )
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: jnp.ndarray,
+        segment_ids: jnp.ndarray | None = None,
+        positions: jnp.ndarray | None = None,
+        *,
+        train: bool,
+    ) -> jnp.ndarray:
+        self._check_inputs(tokens, segment_ids, positions)
+        length = tokens.shape[1]
+        # The index of the cache's next free entry; None where there is no cache to use
+        # (not decoding, or `init` creating the cache).
+        cache_index = None
+        if self.decode:
+            has_cache = self.has_variable("cache", "index")
+            index = self.variable("cache", "index", lambda: jnp.array(0, jnp.int32))
+            if has_cache:
+                cache_index = index.value
+                index.value = cache_index + length
+        if positions is None:
+            positions = jnp.arange(length)
+            if cache_index is not None:
+                positions = positions + cache_index
+
+        embedding = nn.Embed(
             self.vocab_size,
             self.hidden_size,
             embedding_init=nn.initializers.normal(stddev=0.02),
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name="token_embedding",
-        )(tokens)
+        )
+        x = embedding(tokens)
         if self.positions == "learned":
             position_embedding = self.param(
                 "position_embedding",
@@ -164,11 +298,16 @@ class Transformer(nn.Module):
                 (self.max_len, self.hidden_size),
                 self.param_dtype,
             )
-            x = x + position_embedding[:length].astype(x.dtype)
+            x = x + position_embedding[positions].astype(x.dtype)
         x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
 
-        # static_argnums=(2,): `train` (self is 0) switches dropout in Python.
-        block_cls = maybe_remat(DecoderBlock, self.remat, static_argnums=(2,))
+        # With a cache each attention layer masks by cache entry itself.
+        mask = attention_mask(length, segment_ids) if cache_index is None else None
+        # static_argnums=(2,): `train` (self is 0) switches dropout in Python. Decoding runs
+        # no backward pass, so remat there would only recompute for nothing.
+        block_cls = maybe_remat(
+            DecoderBlock, "none" if self.decode else self.remat, static_argnums=(2,)
+        )
         for i in range(self.num_layers):
             x = block_cls(
                 num_heads=self.num_heads,
@@ -177,13 +316,18 @@ class Transformer(nn.Module):
                 dropout_rate=self.dropout_rate,
                 dtype=self.dtype,
                 param_dtype=self.param_dtype,
+                decode=self.decode,
                 name=f"decoder_block_{i}",
-            )(x, train)
+            )(x, train, mask, positions, cache_index)
         x = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name="decoder_norm")(x)
 
-        logits = nn.Dense(
-            self.vocab_size, dtype=self.dtype, param_dtype=self.param_dtype, name="head"
-        )(x)
+        if self.tie_embeddings:
+            # GPT-2's head: the logit of token v is the dot product with v's embedding.
+            logits = embedding.attend(x)
+        else:
+            logits = nn.Dense(
+                self.vocab_size, dtype=self.dtype, param_dtype=self.param_dtype, name="head"
+            )(x)
         # The loss (log-softmax) is computed in float32 whatever the compute dtype.
         return logits.astype(jnp.float32)
 
@@ -209,9 +353,12 @@ def flops_per_token(
     hidden_size * length, where N = num_layers * (4 h^2 + 2 h mlp_dim) + h * vocab_size
     are the weights of the matmuls (q, k, v, out; the two MLP layers; the head; not the
     embedding lookups, biases or norms) at 2 FLOPs per multiply-add forward and 4 backward.
+    With `tie_embeddings` the head is the token embedding's transpose: it is then no
+    separate parameter but still a h x vocab_size matmul, so N and the count are the same.
     The second term is the attention scores and weighted values, counted over the full
-    length x length square though the causal mask makes half of it zero. It counts no
-    remat recomputation: this is model FLOPs for MFU, not the hardware FLOPs done.
+    length x length square though the causal mask makes half of it zero (and a document
+    mask more). It counts no remat recomputation: this is model FLOPs for MFU, not the
+    hardware FLOPs done.
     """
     matmul_params = (
         num_layers * (4 * hidden_size**2 + 2 * hidden_size * mlp_dim) + hidden_size * vocab_size
