@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from jdp.config import defaults
+from jdp.data.images import PRESETS
 from jdp.models.vit import flops_per_example as vit_flops_per_example
 from jdp.models.vit import vit
 
@@ -75,9 +76,11 @@ def build_model(config, *, num_classes):
 
 
 def flops_per_example(config) -> float:
-    """Model FLOPs per training example, for MFU (jdp.models.vit's formula)."""
-    image_size = config.data.image_size or {"digits": 8, "cifar10": 32}.get(config.data.name, 224)
-    channels = 1 if config.data.name == "digits" else 3
+    """Model FLOPs per training example, for MFU (jdp.models.vit's formula), with the
+    image geometry of the dataset's preset (other datasets: 224 x 224 x 3)."""
+    preset = PRESETS.get(config.data.name)
+    image_size = config.data.image_size or (preset.image.image_size if preset else 224)
+    channels = preset.image.channels if preset else 3
     num_classes = config.data.num_classes or {"imagenet2012": 1000}.get(config.data.name, 10)
     return vit_flops_per_example(build_model(config, num_classes=num_classes),
                                  image_size=image_size, channels=channels)

@@ -17,11 +17,17 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import jdp
-from jdp import compile_cache, distributed, exit_codes, train
 from jdp import config as config_lib
-from jdp import experiment as experiment_lib
-from jdp.checkpoint import CheckpointError, CheckpointSaveError
+from jdp.checkpoint import CheckpointError, CheckpointSaveError, check_best_metric
+from jdp.checkpoint.resume import check_resumable
 from jdp.errors import ConfigError
+from jdp.experiment import components as components_lib
+from jdp.experiment import loader
+from jdp.runtime import compile_cache, distributed, exit_codes
+from jdp.runtime.preemption import Preempted
+from jdp.train import loop
+from jdp.train.hooks import HookError
+from jdp.train.nonfinite import NonFiniteError
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment file defining get_config(arg); `path.py:arg` passes arg.",
@@ -77,30 +83,31 @@ def _make_workdir(workdir: str) -> None:
 
 def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = False,
         device_memory_gib: float | None = None, step_time_s: float | None = None):
-    """Everything after flag parsing; tests call this directly. Returns a train.TrainResult,
+    """Everything after flag parsing; tests call this directly. Returns a loop.TrainResult,
     or with `dry_run` the `preflight.Preflight` plan (nothing trained or written)."""
-    experiment = experiment_lib.load(config_path)
+    experiment = loader.load(config_path)
     device_count = jax.device_count() if devices is None else len(devices)
-    plan = config_lib.validate(config, device_count, jax.process_count())
+    split = config_lib.validate(config, device_count, jax.process_count())
     # Before anything compiles, so that the train step is read from the cache or added to it.
     compile_cache.enable(compile_cache.resolve_dir(config.compile_cache_dir))
     config_json = config.to_json_best_effort(indent=2, sort_keys=True)
     distributed.check_same_across_processes(
         {"config": config_json, "jdp": jdp.__version__, "jax": jax.__version__})
-    _check_resumable(workdir, json.loads(config_json))
-    parts = experiment_lib.build(experiment, config)  # data, task and model, checked
-    _check_keep_best(config.checkpoint.keep_best, parts.metric_names)
+    check_resumable(workdir, json.loads(config_json))
+    # The data, task and model, checked (text data prepares its token store here).
+    components = components_lib.build(experiment, config, workdir=workdir)
+    check_best_metric(config.checkpoint.keep_best, components.eval_keys())
+    hooks = _call_build_hooks(experiment, config)
     if dry_run:
-        from jdp import plan as plan_lib
-        from jdp import preflight
+        from jdp.dryrun import estimate, preflight
 
         memory = None if device_memory_gib is None else int(device_memory_gib * 2**30)
-        result = preflight.preflight(config, experiment, parts, plan, devices,
+        result = preflight.preflight(config, experiment, components, split, devices,
                                      device_memory_bytes=memory, step_time_s=step_time_s)
         print(result.text())
         try:
-            plan_lib.check_fits(result.inputs)
-        except plan_lib.PlanError as e:
+            estimate.check_fits(result.inputs)
+        except estimate.PlanError as e:
             raise ConfigError(str(e)) from e
         return result
 
@@ -108,41 +115,20 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
         _make_workdir(workdir)
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config_json + "\n")
-    return train.train_and_evaluate(config, workdir, experiment, parts, plan, devices)
+        with open(os.path.join(workdir, "run.json"), "w") as f:  # for jdp.sample
+            json.dump({"experiment_file": os.path.abspath(config_path)}, f)
+    return loop.train_and_evaluate(config, workdir, experiment, components, split, devices,
+                                   hooks)
 
 
-def _check_resumable(workdir: str, config: dict) -> None:
-    """A workdir with checkpoints resumes; it must hold a run of the same config."""
-    saved_path = os.path.join(workdir, "config.json")
-    checkpoints = os.path.join(workdir, train.CHECKPOINT_DIR)
-    if not (os.path.isdir(checkpoints) and os.path.exists(saved_path)):
-        return
-    with open(saved_path) as f:
-        saved = json.load(f)
-    differences = config_lib.resume_differences(saved, config)
-    if saved.get("total_steps") not in (None, config["total_steps"]):
-        # Allowed (to extend a run), but the schedule's decay is laid over the new
-        # length, so the learning rate jumps at the resumed step.
-        logging.warning(
-            "resuming with total_steps %s instead of %s: the warmup-cosine learning-rate "
-            "schedule now decays to 0 at step %s, so the rate at the resumed step differs "
-            "from the one the saved run would have used", config["total_steps"],
-            saved["total_steps"], config["total_steps"])
-    if differences:
-        raise ConfigError(
-            f"--workdir={workdir!r} holds checkpoints of a run with another config "
-            f"({'; '.join(differences)}). Fix: use a new --workdir, or pass the same values "
-            "to resume it.")
-
-
-def _check_keep_best(keep_best: str, metric_names: tuple[str, ...]) -> None:
-    """checkpoint.keep_best must name a metric evaluation reports (else the first save
-    after an evaluation would fail, possibly days into the run)."""
-    reported = ["eval/loss", *(f"eval/{name}" for name in metric_names), "eval/num_examples"]
-    if keep_best and keep_best not in reported:
-        raise ConfigError(
-            f"config.checkpoint.keep_best={keep_best!r}: evaluation reports no such metric. "
-            f"Fix: use one of {', '.join(map(repr, reported))}.")
+def _call_build_hooks(experiment: loader.Experiment, config) -> list:
+    try:
+        return loop.user_hooks(experiment, config)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ConfigError(f"{experiment.function_name('build_hooks')} failed: "
+                          f"{type(e).__name__}: {e}") from e
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -155,6 +141,11 @@ def _parse_flags(argv: list[str]) -> list[str]:
               "--config.KEY=VALUE to override a config field.")
     except flags.Error as e:
         _fail(f"{e}. Fix: pass a value of the field's type (see the experiment's get_config).")
+    except SyntaxError as e:  # the experiment file, loaded by the --config flag: bad input,
+        # exit 2, which a launcher never restarts (1 would be)
+        column = f", column {e.offset}" if e.offset else ""
+        _fail(f"--config={e.filename!r}: {e.msg} at line {e.lineno}{column}. Fix: correct the "
+              "experiment file's Python syntax there.")
     except AttributeError as e:  # ConfigDict: an override naming no existing field
         name, _, hint = str(e).strip("'").replace("\\'", "'").partition("\\n")
         _fail(f"unknown config field {name} in a --config override. {hint} Fix: override only "
@@ -181,13 +172,13 @@ def main(argv) -> None:
     try:
         result = run(_CONFIG.value, config_path, _WORKDIR.value, dry_run=_DRY_RUN.value,
                      device_memory_gib=_DEVICE_MEMORY.value, step_time_s=_STEP_TIME.value)
-    except CheckpointSaveError as e:
+    except (CheckpointSaveError, HookError) as e:
         _fail(str(e), exit_codes.FAILED)
     except (ConfigError, UsageError, CheckpointError, distributed.MismatchError) as e:
         _fail(str(e))
-    except train.NonFiniteError as e:
+    except NonFiniteError as e:
         _fail(str(e), exit_codes.NONFINITE)
-    except train.Preempted as e:
+    except Preempted as e:
         logging.info("%s", e)
         sys.exit(exit_codes.PREEMPTED)
     if not _DRY_RUN.value:

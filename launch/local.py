@@ -29,7 +29,7 @@ the one that failed were lost, down to M processes. jdp continues the same
 example stream with the same global batch on the devices that remain (the
 global batch must still divide them, or the restart fails with status 2).
 
-Standard library and jdp.exit_codes (which imports nothing), so it starts fast.
+Standard library and jdp.runtime.exit_codes (which imports nothing), so it starts fast.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import BinaryIO
 
-from jdp import exit_codes
+from jdp.runtime import exit_codes
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 POLL_INTERVAL_S = 0.05

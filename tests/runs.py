@@ -66,13 +66,13 @@ def prepared_step(path: str, *overrides: str, devices=None, global_batch_size=12
     import jax
     import numpy as np
 
-    from jdp import experiment, optim
-    from jdp.mesh import make_mesh
-    from jdp.train import build_backend
+    from jdp.experiment import components, loader, optim
+    from jdp.parallel.factory import build_backend
+    from jdp.parallel.mesh import make_mesh
 
     config = load_config(path, *overrides)
-    exp = experiment.load(path)
-    parts = experiment.build(exp, config)
+    exp = loader.load(path)
+    parts = components.build(exp, config)
     mesh = make_mesh(config.parallel.mesh, devices, config.parallel.hosts)
     backend = build_backend(config, mesh, parts,
                             exp.build_optimizer(config, optim.learning_rate_fn(config)))

@@ -515,13 +515,15 @@ def test_load_params_of_a_damaged_checkpoint_names_it(open_checkpointer, ckpt_di
 # --- preemption ----------------------------------------------------------------------
 
 
-def test_sigterm_reaches_the_preemption_point_in_a_single_process(open_checkpointer):
+def test_sigterm_reaches_the_preemption_point_in_a_single_process():
+    from jdp.runtime.preemption import PreemptionNotice
+
     handler_before = signal.getsignal(signal.SIGTERM)
-    checkpointer = open_checkpointer()
-    assert not checkpointer.reached_preemption(1)
+    notice = PreemptionNotice()
+    assert not notice.reached(1)
     os.kill(os.getpid(), signal.SIGTERM)
-    assert checkpointer.reached_preemption(2)
-    checkpointer.close()
+    assert notice.reached(2)
+    notice.close()
     assert signal.getsignal(signal.SIGTERM) is handler_before
 
 
@@ -542,6 +544,7 @@ TWO_PROCESS_WORKER = textwrap.dedent(
         initialization_timeout=60,
     )
     from jdp.checkpoint import Checkpointer
+    from jdp.runtime.preemption import PreemptionNotice
 
     assert jax.device_count() == 8 and jax.local_device_count() == 4
     mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -557,8 +560,9 @@ TWO_PROCESS_WORKER = textwrap.dedent(
     state = {"params": {"kernel": global_array(kernel, P("data")),
                         "bias": global_array(bias, P())}}
     checkpointer = Checkpointer(directory, every_steps=10, max_to_keep=2)
+    notice = PreemptionNotice()
     for step in range(1, 1000):
-        if checkpointer.reached_preemption(step):
+        if notice.reached(step):
             checkpointer.save(step, state, force=True)
             break
         checkpointer.save(step, state)

@@ -65,3 +65,14 @@ def test_the_argument_after_the_colon_selects_the_variant(tmp_path):
     last_line = proc.stderr.strip().splitlines()[-1]
     assert "config.data.name='cifar10'" in last_line and "tfds build cifar10" in last_line
     assert not workdir.exists()
+
+
+def test_an_experiment_file_with_a_syntax_error_exits_2_naming_the_file_and_line(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def get_config(arg=None):\n    return {\n\ndef build_model(config):\n"
+                      "    pass\n")
+    proc = run_main(f"--config={broken}", f"--workdir={tmp_path / 'run'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    message = proc.stderr.strip().splitlines()[-1]
+    assert message.startswith("jdp: error:") and str(broken) in message and "line 2" in message
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()

@@ -10,8 +10,8 @@ import pytest
 
 from jdp import DATA_AXIS
 from jdp import config as config_lib
+from jdp.dryrun import hlo
 from jdp.errors import ConfigError
-from jdp.parallel import hlo
 from runs import (
     assert_same_trajectory,
     checkpoint_arrays,
@@ -143,17 +143,16 @@ def test_error_feedback_sends_over_steps_what_int8_rounds_away(feedback):
     (1/127 of the largest). With feedback the sum of what was sent tracks 20 x the
     true sum to within one step's rounding (0.03 of 0.16 measured); without it the small
     values never arrive."""
-    from jdp.mesh import make_mesh
-    from jdp.parallel.reduction import RESIDUAL_SPECS, Reduction
+    from jdp.parallel.mesh import make_mesh
+    from jdp.parallel.two_level import RESIDUAL_SPECS, TwoLevel
 
     mesh = make_mesh(hosts=2)
-    reduction = Reduction(kind="two_level", cross_host="int8", error_feedback=feedback,
-                          hosts=2, local=4)
+    reduction = TwoLevel(cross_host="int8", error_feedback=feedback, hosts=2, local=4)
     size = 4096
     grads = np.full((8, size), 1e-3, np.float32)
     grads[:, ::256] = 1.0
     residuals = {name: np.zeros(shape, np.float32)
-                 for name, shape in Reduction(kind="two_level", cross_host="int8", hosts=2,
+                 for name, shape in TwoLevel(cross_host="int8", hosts=2,
                                               local=4).residual_shapes(size).items()}
     specs = {name: RESIDUAL_SPECS[name] for name in residuals}
 
@@ -183,7 +182,7 @@ def test_an_int8_run_resumes_bitwise_with_its_residuals(tmp_path):
                 "--config.checkpoint.every_steps=6")
     whole = train(VIT, tmp_path / "whole", *settings)
     saved = checkpoint_arrays(tmp_path / "whole", 6)
-    assert np.abs(saved["comm"]["shard"]).max() > 0  # the residuals were saved
+    assert np.abs(saved["residuals"]["shard"]).max() > 0  # the residuals were saved
     shutil.copytree(tmp_path / "whole" / "checkpoints" / "6",
                     tmp_path / "cut" / "checkpoints" / "6")
     shutil.copy(tmp_path / "whole" / "config.json", tmp_path / "cut" / "config.json")
@@ -202,7 +201,7 @@ def test_a_resume_on_another_topology_starts_the_residuals_at_zero(tmp_path, cap
     # The same run on 4 hosts of 2 devices: the residuals of 2 hosts' sums mean nothing.
     resumed = train(VIT, tmp_path / "eight", *settings, "--config.parallel.hosts=4")
     assert int(resumed[0].state.step) == 12
-    assert "its comm" in caplog.text and "starting it afresh" in caplog.text
+    assert "its residuals" in caplog.text and "starting it afresh" in caplog.text
 
 
 @pytest.mark.parametrize("overrides, field", [

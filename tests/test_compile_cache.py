@@ -7,8 +7,8 @@ import os
 import jax
 import pytest
 
-from jdp import compile_cache
 from jdp import config as config_lib
+from jdp.runtime import compile_cache
 from runs import losses, train
 
 VIT = "experiments/vit.py"

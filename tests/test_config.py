@@ -5,7 +5,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from jdp import config as config_lib
-from jdp.config import ConfigError
+from jdp.errors import ConfigError
 
 VIT = "experiments/vit.py"
 
@@ -42,19 +42,19 @@ def test_overrides_reach_nested_leaves_with_their_types():
 
 
 def test_batch_plan_derives_every_size_from_the_global_batch():
-    plan = config_lib.batch_plan(256, grad_accum_steps=4, device_count=8, process_count=2)
+    plan = config_lib.batch_split(256, grad_accum_steps=4, device_count=8, process_count=2)
     assert (plan.per_process_batch_size, plan.per_device_batch_size, plan.micro_batch_size) == \
         (128, 32, 8)
 
 
 def test_batch_not_divisible_by_devices_names_the_numbers():
     with pytest.raises(ConfigError, match=r"batch_size=1000.*device count \(48\)"):
-        config_lib.batch_plan(1000, grad_accum_steps=1, device_count=48, process_count=6)
+        config_lib.batch_split(1000, grad_accum_steps=1, device_count=48, process_count=6)
 
 
 def test_accumulation_must_divide_the_per_device_batch():
     with pytest.raises(ConfigError, match=r"grad_accum_steps=3.*= 16\)"):
-        config_lib.batch_plan(128, grad_accum_steps=3, device_count=8, process_count=1)
+        config_lib.batch_split(128, grad_accum_steps=3, device_count=8, process_count=1)
 
 
 @pytest.mark.parametrize("field,value,message", [

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from jdp.data import images, pipeline, tfds_source
+from jdp.data import images, streamed, tfds_source
 from jdp.errors import ConfigError
 
 NUM_EXAMPLES = 50
@@ -23,8 +23,8 @@ def identity(example, rng):
 
 
 def batches(seed, rows, global_batch_size=8, start_step=0, num_steps=12):
-    stream = pipeline.example_stream(fake_source(), identity, seed)
-    return list(pipeline.train_batches(stream, global_batch_size=global_batch_size, rows=rows,
+    stream = streamed.example_stream(fake_source(), identity, seed)
+    return list(streamed.train_batches(stream, global_batch_size=global_batch_size, rows=rows,
                                        start_step=start_step, num_steps=num_steps,
                                        num_threads=2))
 
@@ -76,7 +76,7 @@ def test_evaluation_sees_every_example_exactly_once(process_count):
     num_batches = []
     for p in range(process_count):
         rows = slice(p * rows_per_process, (p + 1) * rows_per_process)
-        local = list(pipeline.eval_batches(fake_source(), identity,
+        local = list(streamed.eval_batches(fake_source(), identity,
                                            global_batch_size=global_batch_size, rows=rows))
         num_batches.append(len(local))
         for batch in local:
@@ -127,7 +127,7 @@ def test_the_batch_form_of_the_image_preprocessing_is_bitwise_the_per_example_on
     pixels = np.random.default_rng(0).integers(0, 256, (6, *shape)).astype(dtype)
     examples = [{"image": image, "label": i} for i, image in enumerate(pixels)]
     per_example = images.make_preprocess(spec, train=True, augment=augment)
-    expected = pipeline.stack_examples(
+    expected = streamed.stack_examples(
         [per_example(e, np.random.default_rng(i)) for i, e in enumerate(examples)])
     batch_form = images.make_batch_preprocess(spec, train=True, augment=augment)
     got = batch_form({"image": pixels, "label": np.arange(6)},

@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from jdp import distributed, watchdog
+from jdp.runtime import distributed, watchdog
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -114,7 +114,7 @@ def wait_all(children: list[Child], timeout_s: float) -> list[int]:
 _JOIN = """
 import json, sys, time
 args = json.loads(sys.argv[1])
-from jdp import distributed
+from jdp.runtime import distributed
 print("joining at", time.monotonic(), flush=True)
 distributed.initialize(
     args["address"], args["num_processes"], args["process_id"], timeout_s=args["timeout_s"]

@@ -4,9 +4,8 @@ described (memory, FLOPs, collectives, scaling) without training or writing anyt
 import pytest
 
 from jdp import main as jdp_main
-from jdp import plan
+from jdp.dryrun import estimate, hlo
 from jdp.errors import ConfigError
-from jdp.parallel import hlo
 from runs import load_config, run_main
 
 EXPERIMENTS = ["experiments/vit.py", "experiments/resnet.py", "experiments/lm.py"]
@@ -22,8 +21,9 @@ def test_the_gradient_all_reduce_carries_4_bytes_per_parameter(experiment, capsy
     result = dry_run(experiment)
     inputs = result.inputs
     lowered = hlo.collectives(result.lowered_hlo)  # the program jdp hands XLA
-    assert plan.gradient_all_reduce_bytes(lowered) - inputs.metric_bytes == 4 * inputs.num_params
-    compiled = plan.gradient_all_reduce_bytes(inputs.collectives) - inputs.metric_bytes
+    gradients = estimate.gradient_all_reduce_bytes(lowered) - inputs.metric_bytes
+    assert gradients == 4 * inputs.num_params
+    compiled = estimate.gradient_all_reduce_bytes(inputs.collectives) - inputs.metric_bytes
     if experiment.endswith("resnet.py"):
         # XLA's all-reduce combiner merges BatchNorm's statistics into the same op.
         assert compiled > 4 * inputs.num_params
@@ -36,7 +36,7 @@ def test_a_bfloat16_reduction_carries_2_bytes_per_parameter():
     # In the program jdp hands XLA: XLA:CPU itself reduces bfloat16 in float32.
     result = dry_run("experiments/vit.py", "--config.parallel.grad_reduce_dtype=bfloat16")
     lowered = hlo.collectives(result.lowered_hlo)
-    gradients = plan.gradient_all_reduce_bytes(lowered) - result.inputs.metric_bytes
+    gradients = estimate.gradient_all_reduce_bytes(lowered) - result.inputs.metric_bytes
     assert gradients == 2 * result.inputs.num_params
 
 

@@ -7,8 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jdp import plan
-from jdp.parallel import hlo
+from jdp.dryrun import estimate, hlo
 
 # 8 devices x an (8, 16) float32 block each: 512 bytes per device.
 GLOBAL = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
@@ -167,20 +166,21 @@ def test_async_start_done_pairs_count_once_with_the_done_result_bytes():
 
 
 def test_ring_all_reduce_moves_twice_n_minus_one_over_n_of_the_buffer():
-    assert plan.ring_all_reduce_s(1e9, 8, 1e9) == pytest.approx(1.75)
-    assert plan.ring_all_reduce_s(1e9, 2, 1e9) == pytest.approx(1.0)
-    assert plan.ring_all_reduce_s(4e8, 4, 2e8) == pytest.approx(3.0)
-    assert plan.ring_all_reduce_s(1e9, 1, 1e9) == 0.0
+    assert estimate.ring_all_reduce_s(1e9, 8, 1e9) == pytest.approx(1.75)
+    assert estimate.ring_all_reduce_s(1e9, 2, 1e9) == pytest.approx(1.0)
+    assert estimate.ring_all_reduce_s(4e8, 4, 2e8) == pytest.approx(3.0)
+    assert estimate.ring_all_reduce_s(1e9, 1, 1e9) == 0.0
 
 
 @pytest.mark.parametrize("device_count, bandwidth", [(0, 1e9), (8, 0.0)])
 def test_ring_all_reduce_rejects_impossible_inputs(device_count, bandwidth):
     with pytest.raises(ValueError, match="must be"):
-        plan.ring_all_reduce_s(1e9, device_count, bandwidth)
+        estimate.ring_all_reduce_s(1e9, device_count, bandwidth)
 
 
 def test_scaling_efficiency_is_compute_over_compute_plus_communication():
-    rows = plan.scaling(1e9, compute_s=0.0175, device_counts=(1, 8), bandwidths_gb_per_s=(100, 25))
+    rows = estimate.scaling(1e9, compute_s=0.0175, device_counts=(1, 8),
+                            bandwidths_gb_per_s=(100, 25))
     assert [(r.device_count, r.bandwidth_gb_per_s) for r in rows] == [
         (1, 100), (1, 25), (8, 100), (8, 25)]
     # 8 devices: 1.75e9 bytes at 1e11 B/s = 0.0175 s, as long as the compute.
@@ -189,7 +189,7 @@ def test_scaling_efficiency_is_compute_over_compute_plus_communication():
 
 
 def test_scaling_without_compute_time_gives_times_only():
-    rows = plan.scaling(1e9, compute_s=None)
+    rows = estimate.scaling(1e9, compute_s=None)
     assert len(rows) == 9 and all(r.efficiency is None for r in rows)
     assert rows[0].communication_s == pytest.approx(1.75e9 / 25e9)
 
@@ -208,16 +208,16 @@ STEP_COLLECTIVES = (
 
 
 def test_the_gradient_all_reduce_is_the_largest_one_outside_loops():
-    assert plan.gradient_all_reduce_bytes(STEP_COLLECTIVES) == 408
-    assert plan.gradient_all_reduce_bytes(()) == 0
-    assert [c.bytes for c in plan.other_all_reduces(STEP_COLLECTIVES)] == [16, 4000]
+    assert estimate.gradient_all_reduce_bytes(STEP_COLLECTIVES) == 408
+    assert estimate.gradient_all_reduce_bytes(()) == 0
+    assert [c.bytes for c in estimate.other_all_reduces(STEP_COLLECTIVES)] == [16, 4000]
 
 
 GiB = 2**30
 
 
-def _inputs(**changes) -> plan.PlanInputs:
-    inputs = plan.PlanInputs(
+def _inputs(**changes) -> estimate.PlanInputs:
+    inputs = estimate.PlanInputs(
         platform="gpu", device_kind="NVIDIA H100", device_count=8, process_count=2,
         mesh_shape={"data": 8}, global_batch_size=256, per_process_batch_size=128,
         per_device_batch_size=32, micro_batch_size=8, grad_accum_steps=4, num_params=100,
@@ -227,7 +227,7 @@ def _inputs(**changes) -> plan.PlanInputs:
 
 
 def test_plan_names_devices_batch_and_parameters():
-    text = plan.format_plan(_inputs())
+    text = estimate.format_plan(_inputs())
     assert "8 x NVIDIA H100 (gpu), 2 processes; mesh data=8" in text
     assert "global 256 = 2 x 128 per process = 8 x 32 per device" in text
     assert "4 accumulation step(s) x micro-batch 8" in text
@@ -235,13 +235,13 @@ def test_plan_names_devices_batch_and_parameters():
 
 
 def test_plan_memory_is_against_capacity_or_says_it_is_unknown():
-    assert "total 5.0 GiB: capacity unknown (CPU)" in plan.format_plan(_inputs())
-    text = plan.format_plan(_inputs(device_memory_bytes=20 * GiB))
+    assert "total 5.0 GiB: capacity unknown (CPU)" in estimate.format_plan(_inputs())
+    text = estimate.format_plan(_inputs(device_memory_bytes=20 * GiB))
     assert "total 5.0 GiB: 25.0% of 20.0 GiB" in text
 
 
 def test_plan_lists_each_collective_kind_with_count_bytes_and_place():
-    lines = plan.format_plan(_inputs()).splitlines()
+    lines = estimate.format_plan(_inputs()).splitlines()
     [in_loop] = [line for line in lines if "all-reduce" in line and "LOOP" in line]
     [gather] = [line for line in lines if line.strip().startswith("all-gather")]
     assert "x1" in in_loop and "3.9 KiB" in in_loop
@@ -250,7 +250,7 @@ def test_plan_lists_each_collective_kind_with_count_bytes_and_place():
 
 @pytest.mark.parametrize("dtype, per_param", [("float32", 4), ("bfloat16", 2)])
 def test_plan_compares_gradient_bytes_with_the_parameter_count(dtype, per_param):
-    text = plan.format_plan(_inputs(grad_reduce_dtype=dtype))
+    text = estimate.format_plan(_inputs(grad_reduce_dtype=dtype))
     assert "Gradient all-reduce: 408 B" in text and "8 B metric sums: gradients 400 B" in text
     assert f"expected {per_param} B x 100 parameters ({dtype}) = {per_param * 100} B" in text
     assert ("differs from expected" in text) == (dtype == "bfloat16")
@@ -258,27 +258,27 @@ def test_plan_compares_gradient_bytes_with_the_parameter_count(dtype, per_param)
 
 def test_plan_efficiency_uses_the_measured_step_time_first():
     # 400 gradient bytes on 8 devices at 25 GB/s: 1.75 x 400 / 25e9 s = 28 ns.
-    text = plan.format_plan(_inputs(step_time_s=28e-9, flops_per_step=1e12,
+    text = estimate.format_plan(_inputs(step_time_s=28e-9, flops_per_step=1e12,
                                     peak_flops_per_s=1e12))
     row_8 = next(line for line in text.splitlines() if line.strip().startswith("8 "))
     assert row_8.split()[:4] == ["8", "0.028", "us", "50.0%"]  # the 25 GB/s column
 
 
 def test_plan_efficiency_falls_back_to_flops_over_peak():
-    text = plan.format_plan(_inputs(flops_per_step=2e12, peak_flops_per_s=1e15))
+    text = estimate.format_plan(_inputs(flops_per_step=2e12, peak_flops_per_s=1e15))
     assert "compute 2 ms per step" in text
     assert "%" in text.splitlines()[-1]
 
 
 def test_plan_without_compute_time_prints_communication_times_only():
-    text = plan.format_plan(_inputs(flops_per_step=1e12))
+    text = estimate.format_plan(_inputs(flops_per_step=1e12))
     assert "compute time cannot be estimated" in text
     table = text.split("communication times only")[1]
     assert "us" in table and "%" not in table
 
 
 def test_plan_without_an_all_reduce_scales_the_expected_gradient_bytes():
-    text = plan.format_plan(_inputs(collectives=(), device_count=1, mesh_shape={"data": 1}))
+    text = estimate.format_plan(_inputs(collectives=(), device_count=1, mesh_shape={"data": 1}))
     assert "Collectives: none" in text
     assert "scaling below uses the expected bytes" in text
     # 400 bytes, 512 devices, 400 GB/s: 2 x 511/512 x 400 / 4e11 s = 2.0 ns.
@@ -286,8 +286,8 @@ def test_plan_without_an_all_reduce_scales_the_expected_gradient_bytes():
 
 
 def test_check_fits_names_the_need_the_capacity_and_the_fixes():
-    with pytest.raises(plan.PlanError) as error:
-        plan.check_fits(_inputs(device_memory_bytes=4 * GiB))
+    with pytest.raises(estimate.PlanError) as error:
+        estimate.check_fits(_inputs(device_memory_bytes=4 * GiB))
     message = str(error.value)
     assert "\n" not in message
     assert "needs 5.0 GiB per device" in message and "has 4.0 GiB" in message
@@ -300,11 +300,11 @@ def test_check_fits_names_the_need_the_capacity_and_the_fixes():
 
 def test_check_fits_counts_donated_buffers_once():
     # 6 GiB before aliasing, 5 GiB after: fits in 5.5 GiB only because of donation.
-    plan.check_fits(_inputs(device_memory_bytes=int(5.5 * GiB)))
-    with pytest.raises(plan.PlanError):
-        plan.check_fits(_inputs(device_memory_bytes=int(5.5 * GiB), alias_bytes=0))
+    estimate.check_fits(_inputs(device_memory_bytes=int(5.5 * GiB)))
+    with pytest.raises(estimate.PlanError):
+        estimate.check_fits(_inputs(device_memory_bytes=int(5.5 * GiB), alias_bytes=0))
 
 
 def test_check_fits_passes_when_capacity_is_unknown_or_large():
-    plan.check_fits(_inputs(device_memory_bytes=None))
-    plan.check_fits(_inputs(device_memory_bytes=80 * GiB))
+    estimate.check_fits(_inputs(device_memory_bytes=None))
+    estimate.check_fits(_inputs(device_memory_bytes=80 * GiB))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jdp.config import ConfigError
 from jdp.data.files import ArrayRecordSource, NpzSource, open_files, write_array_records
+from jdp.errors import ConfigError
 
 FIELD = "config.data.train_files"
 

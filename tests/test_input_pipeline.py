@@ -14,9 +14,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from jdp import experiment
-from jdp.data import images, pipeline
+from jdp.data import images, streamed
 from jdp.errors import ConfigError
+from jdp.experiment import components, loader
 from runs import REPO, load_config, main_env, wait_for
 
 NUM_EXAMPLES = 40
@@ -31,9 +31,9 @@ def source():
 
 
 def train_batches(num_workers, start_step, num_steps, rows=slice(0, 8)):
-    stream = pipeline.example_stream(
+    stream = streamed.example_stream(
         source(), images.make_preprocess(SPEC, train=True, augment=True), seed=7)
-    batches = pipeline.train_batches(stream, global_batch_size=8, rows=rows,
+    batches = streamed.train_batches(stream, global_batch_size=8, rows=rows,
                                      start_step=start_step, num_steps=num_steps,
                                      num_threads=2, num_workers=num_workers)
     try:
@@ -64,7 +64,7 @@ def test_workers_give_the_same_eval_batches_padding_and_mask_included():
     preprocess = images.make_preprocess(SPEC, train=False, augment=False)
 
     def eval_batches(num_workers):
-        return list(pipeline.eval_batches(source()[:20], preprocess, global_batch_size=8,
+        return list(streamed.eval_batches(source()[:20], preprocess, global_batch_size=8,
                                           rows=slice(4, 8), num_workers=num_workers))
 
     threads = eval_batches(0)
@@ -80,9 +80,9 @@ def test_a_sigterm_to_the_workers_is_left_to_the_trainer_and_close_stops_them():
     """A preemption notice sent to the whole process group: the workers keep preparing
     batches (the trainer needs them to reach its preemption save)."""
     before = worker_pids()
-    stream = pipeline.example_stream(
+    stream = streamed.example_stream(
         source(), images.make_preprocess(SPEC, train=True, augment=True), seed=7)
-    batches = pipeline.train_batches(stream, global_batch_size=8, rows=slice(0, 8),
+    batches = streamed.train_batches(stream, global_batch_size=8, rows=slice(0, 8),
                                      start_step=0, num_steps=50, num_workers=2)
     first = [next(batches) for _ in range(2)]  # one from each worker: both have started
     workers = worker_pids() - before
@@ -98,10 +98,10 @@ def test_a_sigterm_to_the_workers_is_left_to_the_trainer_and_close_stops_them():
 ORPHAN = """
 import os, sys
 import numpy as np
-from jdp.data import pipeline
+from jdp.data import streamed
 source = [{"x": np.float32(i)} for i in range(10)]
-stream = pipeline.example_stream(source, lambda example, rng: example, seed=0)
-batches = pipeline.train_batches(stream, global_batch_size=2, rows=slice(0, 2), start_step=0,
+stream = streamed.example_stream(source, lambda example, rng: example, seed=0)
+batches = streamed.train_batches(stream, global_batch_size=2, rows=slice(0, 2), start_step=0,
                                  num_steps=10**6, num_workers=1)
 next(batches)
 import multiprocessing
@@ -202,14 +202,14 @@ def test_a_preprocess_that_cannot_be_pickled_fails_before_training_naming_the_fi
     with pytest.raises(ConfigError, match=r"config\.data\.num_workers=2: the preprocess of "
                        r"build_data\(\) in .*user\.py cannot be sent to worker processes "
                        r"\(TypeError: .*lock.*Fix: .*--config\.data\.num_workers=0"):
-        experiment.build(experiment.load(experiment_file), config)
+        components.build(loader.load(experiment_file), config)
 
 
 def test_the_experiment_files_own_preprocess_runs_in_the_workers(experiment_file):
     config = load_config(experiment_file)
-    data = experiment.build(experiment.load(experiment_file), config).data
-    stream = pipeline.example_stream(data.train, data.preprocess, seed=0)
-    batches = pipeline.train_batches(stream, global_batch_size=8, rows=slice(0, 8),
+    data = components.build(loader.load(experiment_file), config).data
+    stream = streamed.example_stream(data.train, data.preprocess, seed=0)
+    batches = streamed.train_batches(stream, global_batch_size=8, rows=slice(0, 8),
                                      start_step=0, num_steps=1, num_workers=1)
     try:
         images_ = next(batches)["image"]
@@ -219,7 +219,7 @@ def test_the_experiment_files_own_preprocess_runs_in_the_workers(experiment_file
 
 
 def test_the_model_is_initialised_with_what_device_preprocess_returns(experiment_file):
-    parts = experiment.build(experiment.load(experiment_file),
+    parts = components.build(loader.load(experiment_file),
                              load_config(f"{experiment_file}:device"))
     assert parts.sample["raw"].dtype == np.uint8  # what the host ships
     (inputs,) = parts.sample_inputs()
@@ -230,5 +230,5 @@ def test_a_device_preprocess_reading_a_missing_feature_is_named_before_training(
         experiment_file):
     with pytest.raises(ConfigError, match=r"the device_preprocess of build_data\(\) in "
                        r".*user\.py failed .*\['label', 'raw'\].*KeyError: 'pixels'.*Fix:"):
-        experiment.build(experiment.load(experiment_file),
+        components.build(loader.load(experiment_file),
                          load_config(f"{experiment_file}:device_key"))

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from jdp import exit_codes
+from jdp.runtime import exit_codes
 
 MANIFEST = Path(__file__).resolve().parents[1] / "launch" / "k8s" / "jdp.yaml"
 # Where Kubernetes publishes an Indexed Job pod's index (annotation, label since 1.28, env var).

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from jdp import exit_codes
+from jdp.runtime import exit_codes
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO / "launch" / "local.py"

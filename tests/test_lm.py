@@ -7,10 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from jdp import experiment, optim
-from jdp.mesh import make_mesh
+from jdp.experiment import components, loader, optim
+from jdp.parallel.factory import build_backend
+from jdp.parallel.mesh import make_mesh
 from jdp.task import weighted_sums
-from jdp.train import build_backend
 from runs import RTOL, assert_same_trajectory, load_config, losses, train
 
 LM = "experiments/lm.py"
@@ -50,8 +50,8 @@ def test_the_loss_is_the_global_weighted_mean_not_a_mean_of_device_means():
     measurably different; the test checks that it is, so it can fail.
     """
     config = load_config(LM, *SMALL)
-    exp = experiment.load(LM)
-    parts = experiment.build(exp, config)
+    exp = loader.load(LM)
+    parts = components.build(exp, config)
     backend = build_backend(config, make_mesh(), parts,
                             exp.build_optimizer(config, optim.learning_rate_fn(config)))
     state = backend.init_global(jax.random.key(0), parts.sample_inputs())

@@ -11,8 +11,8 @@ import optax
 import pytest
 
 from jdp import DATA_AXIS
-from jdp.mesh import make_mesh
 from jdp.models import REMAT_POLICIES, ResNet, ViT, remat_policy, resnet, vit
+from jdp.parallel.mesh import make_mesh
 
 NUM_CLASSES = 10
 DIGITS_IMAGES = jnp.ones((4, 8, 8, 1))

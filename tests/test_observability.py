@@ -10,11 +10,11 @@ import numpy as np
 import optax
 import pytest
 
-from jdp import experiment, optim
-from jdp.data import pipeline
-from jdp.mesh import make_mesh
+from jdp.data import streamed
+from jdp.experiment import components, loader, optim
+from jdp.parallel.factory import build_backend
+from jdp.parallel.mesh import make_mesh
 from jdp.task import weighted_sums
-from jdp.train import build_backend
 from runs import load_config, losses, train
 
 VIT = "experiments/vit.py"
@@ -66,15 +66,15 @@ def test_train_loss_is_the_mean_of_the_window(every_step, windowed):
 def test_norms_and_learning_rate_come_from_the_step(every_step):
     """Step 1's gradient norm equals a hand computation on the same batch and params."""
     config = load_config(VIT, *TINY)
-    exp = experiment.load(VIT)
-    parts = experiment.build(exp, config)
+    exp = loader.load(VIT)
+    parts = components.build(exp, config)
     backend = build_backend(config, make_mesh(), parts,
                             exp.build_optimizer(config, optim.learning_rate_fn(config)))
     state = jax.device_get(backend.init_global(jax.random.key(config.seed),
                                                parts.sample_inputs()))
-    stream = pipeline.example_stream(parts.data.train, parts.data.preprocess_for(train=True),
+    stream = streamed.example_stream(parts.data.train, parts.data.preprocess_for(train=True),
                                      config.seed)
-    batch = parts.data.device_preprocess(next(pipeline.train_batches(
+    batch = parts.data.device_preprocess(next(streamed.train_batches(
         stream, global_batch_size=64, rows=slice(0, 64), start_step=0, num_steps=1,
         num_threads=1)))
 

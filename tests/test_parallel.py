@@ -6,10 +6,11 @@ import numpy as np
 import optax
 import pytest
 
-from jdp import modeling
-from jdp.mesh import make_mesh
+from jdp.dryrun import hlo
+from jdp.experiment import adapters
 from jdp.models import ViT
-from jdp.parallel import StepOptions, compiler_options, hlo, make_backend
+from jdp.parallel import StepOptions, compiler_options, make_backend
+from jdp.parallel.mesh import make_mesh
 from jdp.task import classification
 from runs import compiled_step
 
@@ -111,7 +112,7 @@ def test_remat_lowers_the_compiled_temp_memory():
     options = compiler_options("cpu", "full")
     temp = {}
     for policy in ("none", "full", "dots_saveable"):
-        model = modeling.from_linen(ViT(num_classes=10, patch_size=1, hidden_size=64,
+        model = adapters.from_linen(ViT(num_classes=10, patch_size=1, hidden_size=64,
                                         num_layers=6, num_heads=4, mlp_dim=128, remat=policy))
         backend = make_backend("pjit", make_mesh(), model, classification(), optax.sgd(0.1),
                                StepOptions(compiler_options=options))
@@ -128,7 +129,7 @@ def _wide_vit_step(**options):
     """A wide, shallow ViT on 4 tokens with one example per device: params and optimizer
     state dominate the step's memory, as in a large model."""
     shard_params = options.get("shard_params", False)
-    model = modeling.from_linen(ViT(num_classes=10, patch_size=4, hidden_size=256,
+    model = adapters.from_linen(ViT(num_classes=10, patch_size=4, hidden_size=256,
                                     num_layers=2, num_heads=4, mlp_dim=1024))
     backend = make_backend("pjit", make_mesh(), model, classification(), optax.adamw(1e-3),
                            StepOptions(compiler_options=compiler_options("cpu", "none",
@@ -180,7 +181,7 @@ def _live_bytes_on(device) -> int:
 
 
 def test_pmap_saves_without_a_second_copy_of_the_state():
-    model = modeling.from_linen(ViT(num_classes=10, patch_size=4, hidden_size=128,
+    model = adapters.from_linen(ViT(num_classes=10, patch_size=4, hidden_size=128,
                                     num_layers=2, num_heads=4, mlp_dim=512))
     backend = make_backend("pmap", make_mesh(), model, classification(), optax.adamw(1e-3),
                            StepOptions())

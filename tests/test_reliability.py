@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from jdp import exit_codes
+from jdp.runtime import exit_codes
 from runs import REPO, checkpoint_arrays, main_env, read_metrics, run_main
 
 VIT = "experiments/vit.py"

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from jdp import exit_codes
+from jdp.runtime import exit_codes
 from runs import (
     checkpoint_arrays,
     load_config,
@@ -163,17 +163,18 @@ def test_init_from_a_different_model_names_the_parameter_and_shapes(reference, t
 def test_a_changed_total_steps_resumes_and_says_what_it_does_to_the_schedule(tmp_path,
                                                                               monkeypatch):
     from jdp import main as jdp_main
-    from jdp import train as train_lib
+    from jdp.checkpoint import CHECKPOINT_DIR
+    from jdp.checkpoint.resume import check_resumable
 
     saved = json.loads(load_config(VIT).to_json())
-    (tmp_path / train_lib.CHECKPOINT_DIR).mkdir()
+    (tmp_path / CHECKPOINT_DIR).mkdir()
     (tmp_path / "config.json").write_text(json.dumps(saved))
     warnings = []
     monkeypatch.setattr(jdp_main.logging, "warning",
                         lambda message, *args: warnings.append(message % args))
-    jdp_main._check_resumable(str(tmp_path), saved)  # the same config: nothing to say
+    check_resumable(str(tmp_path), saved)  # the same config: nothing to say
     assert warnings == []
-    jdp_main._check_resumable(str(tmp_path), {**saved, "total_steps": 2 * saved["total_steps"]})
+    check_resumable(str(tmp_path), {**saved, "total_steps": 2 * saved["total_steps"]})
     [warning] = warnings
     assert f"resuming with total_steps {2 * saved['total_steps']} instead of " \
         f"{saved['total_steps']}" in warning and "learning-rate schedule" in warning

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from jdp import exit_codes
+from jdp.runtime import exit_codes
 from runs import losses, read_metrics, train
 
 pytestmark = pytest.mark.slow

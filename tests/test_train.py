@@ -131,14 +131,14 @@ def test_a_users_nnx_experiment_with_a_custom_optax_chain_trains(tmp_path):
 
 
 def test_mfu_is_reported_against_the_device_peak_only_where_it_is_known():
-    from jdp import metrics
+    from jdp.observe import throughput
 
-    assert metrics.peak_flops_per_s("cpu") is None
-    assert metrics.peak_flops_per_s("NVIDIA H100 80GB HBM3") == 989e12
+    assert throughput.peak_flops_per_s("cpu") is None
+    assert throughput.peak_flops_per_s("NVIDIA H100 80GB HBM3") == 989e12
     # MFU counts the model's FLOPs (no remat recomputation), not XLA's hardware count.
-    on_gpu = metrics.compute_metrics(600e12, 494.5e12, 1.0,
-                                     metrics.peak_flops_per_s("NVIDIA H100"))
+    on_gpu = throughput.flops_metrics(600e12, 494.5e12, 1.0,
+                                     throughput.peak_flops_per_s("NVIDIA H100"))
     assert on_gpu == {"train/tflops_per_s_per_device": 600.0,
                       "train/model_tflops_per_s_per_device": 494.5, "train/mfu": 0.5}
-    assert "train/mfu" not in metrics.compute_metrics(1e9, 1e9, 1.0, None)  # peak unknown
-    assert "train/mfu" not in metrics.compute_metrics(1e9, None, 1.0, 989e12)  # model unknown
+    assert "train/mfu" not in throughput.flops_metrics(1e9, 1e9, 1.0, None)  # peak unknown
+    assert "train/mfu" not in throughput.flops_metrics(1e9, None, 1.0, 989e12)  # model unknown

@@ -14,8 +14,8 @@ import time
 import pytest
 from test_distributed import free_port, join_args, run_processes, wait_all
 
-from jdp import distributed, watchdog
-from jdp.watchdog import Watchdog
+from jdp.runtime import distributed, watchdog
+from jdp.runtime.watchdog import Watchdog
 
 TIMEOUT_S = 10.0
 
@@ -234,7 +234,7 @@ def test_the_monitor_thread_calls_on_timeout_once():
 
 _STALL = """
 import time
-from jdp.watchdog import Watchdog
+from jdp.runtime.watchdog import Watchdog
 dog = Watchdog(0.5).start()
 dog.heartbeat(3)
 time.sleep(60)  # stands in for a collective that never completes
@@ -257,8 +257,8 @@ _TRAIN = """
 import json, sys, time
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jdp import distributed
-from jdp.watchdog import Watchdog
+from jdp.runtime import distributed
+from jdp.runtime.watchdog import Watchdog
 args = json.loads(sys.argv[1])
 distributed.initialize(args["address"], args["num_processes"], args["process_id"], timeout_s=60)
 sharding = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))

@@ -14,9 +14,9 @@ import optax
 
 from jdp.bench import steps
 from jdp.checkpoint import Checkpointer
-from jdp.mesh import make_mesh
+from jdp.experiment.task import classification
 from jdp.parallel import StepOptions, make_backend
-from jdp.task import classification
+from jdp.parallel.mesh import make_mesh
 
 
 def add_arguments(parser, name: str) -> None:

@@ -24,21 +24,24 @@ import jax
 import numpy as np
 import optax
 
-from jdp import DATA_AXIS, HOSTS_AXIS, LOCAL_AXIS, modeling
-from jdp.mesh import make_mesh
+from jdp import DATA_AXIS
+from jdp.dryrun import hlo
+from jdp.dryrun.lowering import lower_from_shapes
+from jdp.experiment import adapters
+from jdp.experiment.task import classification
 from jdp.models import resnet, vit
-from jdp.parallel import Reduction, StepOptions, hlo, make_backend
-from jdp.parallel.reduction import param_count
-from jdp.task import classification
+from jdp.parallel import StepOptions, make_backend
+from jdp.parallel.mesh import make_mesh
+from jdp.parallel.two_level import param_count
 
 MIB = 2**20
 GB = 1e9
-# name -> Reduction fields
+# name -> StepOptions fields
 REDUCTIONS = {
     "flat": {},
-    "two_level": {"kind": "two_level"},
-    "bf16": {"kind": "two_level", "cross_host": "bfloat16"},
-    "int8": {"kind": "two_level", "cross_host": "int8"},
+    "two_level": {"reduction": "two_level"},
+    "bf16": {"reduction": "two_level", "cross_host_reduce": "bfloat16"},
+    "int8": {"reduction": "two_level", "cross_host_reduce": "int8"},
 }
 
 
@@ -57,10 +60,10 @@ def add_arguments(parser, name: str) -> None:
 def _model(spec: str, args):
     family, size = spec.split(":")
     if family == "vit":
-        return modeling.from_linen(vit(size, num_classes=args.num_classes, patch_size=16,
+        return adapters.from_linen(vit(size, num_classes=args.num_classes, patch_size=16,
                                        pool="cls"))
     if family == "resnet":
-        return modeling.from_linen(resnet(size, num_classes=args.num_classes,
+        return adapters.from_linen(resnet(size, num_classes=args.num_classes,
                                           bn_axis_name=DATA_AXIS))
     raise SystemExit(f"--models: unknown family {family!r} in {spec!r}; use vit or resnet")
 
@@ -68,15 +71,13 @@ def _model(spec: str, args):
 def step_traffic(model, args, reduction: str) -> tuple[list[hlo.Traffic], int]:
     """(traffic of each collective of the lowered step, gradient bytes in float32)."""
     mesh = make_mesh(hosts=args.hosts)
-    options = StepOptions(reduction=Reduction(
-        **REDUCTIONS[reduction], hosts=mesh.shape[HOSTS_AXIS], local=mesh.shape[LOCAL_AXIS]))
+    options = StepOptions(**REDUCTIONS[reduction])
     backend = make_backend("pjit", mesh, model, classification(), optax.adamw(1e-3), options)
     example = {"image": np.zeros((args.image_size, args.image_size, 3), np.float32),
                "label": np.zeros((), np.int32)}
-    state = backend.abstract_state(jax.random.key(0), (example["image"][None],))
+    lowered, state = lower_from_shapes(backend, (example["image"][None],), example, mesh.size)
     grad_bytes = param_count(state.params) * 4
-    state, batch = backend.abstract_working(state, example, mesh.size)
-    program = backend.lowered_train_step(state, batch).as_text(dialect="hlo")
+    program = lowered.as_text(dialect="hlo")
     host_of = {device.id: host for host, row in enumerate(mesh.devices) for device in row}
     return [op.traffic(host_of) for op in hlo.collectives(program)], grad_bytes
 

@@ -68,8 +68,8 @@ def _child(argv: list[str]) -> None:
     import jax
     import optax
 
-    from jdp import compile_cache
     from jdp.bench import steps
+    from jdp.runtime import compile_cache
 
     compile_cache.enable(args.cache_dir)  # as jdp.main does, before anything compiles
     hits = []

@@ -6,7 +6,7 @@ and with 1, 2, ... worker processes, against what an accelerator consumes.
 
 The source is generated once into --data_dir: JPEGs of about 500x375 pixels with
 varied content (JPEG decoding time depends on it), in an ArrayRecord file as jdp's
-own files are written. Each measurement runs the real `pipeline.train_batches`
+own files are written. Each measurement runs the real `streamed.train_batches`
 with the imagenet2012 training preprocessing (decode, random-resized crop to
 224, flip; uint8 out) after a warm-up that starts every worker.
 """
@@ -21,8 +21,8 @@ import time
 
 import numpy as np
 
-from jdp import metrics
-from jdp.data import files, images, pipeline
+from jdp.data import files, images, streamed
+from jdp.observe import throughput
 
 # Forward FLOPs of one 224x224 example, 2 FLOPs per multiply-add (as jdp's MFU counts).
 # ViT: jdp.models.vit's formula; ResNet-50: its 4.1 G multiply-adds.
@@ -50,7 +50,7 @@ def add_arguments(parser, name: str) -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="vit_b16")
     parser.add_argument("--model_flops_per_example", type=float, default=None,
                         help="forward FLOPs of one example, instead of --model's")
-    known = ", ".join(metrics.known_device_kinds())
+    known = ", ".join(throughput.known_device_kinds())
     parser.add_argument("--device", default="NVIDIA H100",
                         help=f"a device kind with a known peak FLOP/s: {known}")
     parser.add_argument("--mfu", type=float, default=0.4,
@@ -100,10 +100,10 @@ def _forward_flops(args) -> float:
 
 def consumption(args, per_core: float) -> str:
     """What the accelerator consumes at --mfu, and the cores that takes at `per_core`."""
-    peak = metrics.peak_flops_per_s(args.device)
+    peak = throughput.peak_flops_per_s(args.device)
     if peak is None:
         raise SystemExit(f"--device={args.device!r}: no known peak FLOP/s. Fix: use one of "
-                         f"{', '.join(metrics.known_device_kinds())}.")
+                         f"{', '.join(throughput.known_device_kinds())}.")
     forward = _forward_flops(args)
     consumed = peak * args.mfu / (3 * forward)
     name = "the model" if args.model_flops_per_example else MODELS[args.model]
@@ -124,8 +124,8 @@ def examples_per_s(source, preprocess, batch_size: int, examples: int, num_worke
     producers = num_workers or num_threads
     warmup = 2 * producers  # every worker has delivered twice
     timed = producers * max(3, math.ceil(examples / batch_size / producers))
-    stream = pipeline.example_stream(source, preprocess, seed=0)
-    batches = pipeline.train_batches(stream, global_batch_size=batch_size,
+    stream = streamed.example_stream(source, preprocess, seed=0)
+    batches = streamed.train_batches(stream, global_batch_size=batch_size,
                                      rows=slice(0, batch_size), start_step=0,
                                      num_steps=warmup + timed, num_threads=num_threads,
                                      num_workers=num_workers)

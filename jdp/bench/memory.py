@@ -14,11 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jdp import modeling
-from jdp.mesh import make_mesh
+from jdp.dryrun import hlo
+from jdp.dryrun.lowering import lower_from_shapes
+from jdp.experiment import adapters
+from jdp.experiment.task import classification
 from jdp.models import vit
-from jdp.parallel import StepOptions, compiler_options, hlo, make_backend
-from jdp.task import classification
+from jdp.parallel import StepOptions, compiler_options, make_backend
+from jdp.parallel.mesh import make_mesh
 
 MIB = 2**20
 # name -> StepOptions fields
@@ -42,7 +44,7 @@ def add_arguments(parser, name: str) -> None:
 def step_memory(args, layout: str) -> tuple[int, int, float]:
     """(argument bytes, temporary bytes, bytes sent) per device of the compiled train step."""
     mesh = make_mesh()
-    model = modeling.from_linen(vit(args.model, num_classes=args.num_classes,
+    model = adapters.from_linen(vit(args.model, num_classes=args.num_classes,
                                     patch_size=args.patch_size, pool="cls",
                                     dtype=jnp.dtype(args.dtype), remat=args.remat))
     layout_options = LAYOUTS[layout]
@@ -52,10 +54,9 @@ def step_memory(args, layout: str) -> tuple[int, int, float]:
     backend = make_backend("pjit", mesh, model, classification(), optax.adamw(1e-3), options)
     example = {"image": np.zeros((args.image_size, args.image_size, 3), np.float32),
                "label": np.zeros((), np.int32)}
-    state = backend.abstract_state(jax.random.key(0), (example["image"][None],))
-    state, batch = backend.abstract_working(state, example,
-                                            args.per_device_batch_size * mesh.size)
-    compiled = backend.lowered_train_step(state, batch).compile(options.compiler_options)
+    lowered, _ = lower_from_shapes(backend, (example["image"][None],), example,
+                                   args.per_device_batch_size * mesh.size)
+    compiled = lowered.compile(options.compiler_options)
     memory = compiled.memory_analysis()
     sent = sum(op.ring_bytes_sent(mesh.size) for op in hlo.collectives(compiled.as_text()))
     return memory.argument_size_in_bytes, memory.temp_size_in_bytes, sent

@@ -36,8 +36,10 @@ _DEFAULT_CONFIG = "experiments/vit.py"
 
 def add_arguments(parser, name: str) -> None:
     parser.add_argument("--config", default=_DEFAULT_CONFIG, help="experiment file")
-    parser.add_argument("--model", default="", help="ViT size (nano, tiny, ...); default: the "
-                        "experiment's own. With the digits ViT's patch 2, tiny is ViT-Ti/2")
+    parser.add_argument("--model", default="", help="model size (nano, tiny, ...); default: the "
+                        "experiment's own. With the digits ViT's patch 2, tiny is ViT-Ti/2; "
+                        "--config=experiments/gpt.py gives the LM line (tokens/s = examples/s "
+                        "x data.seq_len, so the ratio is the same)")
     parser.add_argument("--steps", type=int, default=300, help="train steps per measurement")
     parser.add_argument("--log_every", type=int, default=50,
                         help="jdp's log window; the first window (and as many minimal steps) "
@@ -130,11 +132,11 @@ def _jdp_run(config, config_path: str) -> tuple[float, float, float]:
     """(examples/s, fraction of the time spent waiting for input, last window's mean loss)
     of one whole `jdp.main.run` in a new workdir, over the windows after the first."""
     from jdp import main as jdp_main
-    from jdp import metrics
+    from jdp.observe.writers import read_jsonl
 
     with tempfile.TemporaryDirectory(prefix="jdp-bench-overhead-run-") as workdir:
         jdp_main.run(config, config_path, workdir)
-        windows = [r for r in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+        windows = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))
                    if "train/examples_per_s" in r]
     timed = windows[1:]  # the first window holds the warm-up
     steps = [b["step"] - a["step"] for a, b in zip(windows, timed, strict=False)]
@@ -144,49 +146,51 @@ def _jdp_run(config, config_path: str) -> tuple[float, float, float]:
             windows[-1]["train/loss"])
 
 
-def _real_batches(config, parts) -> list[dict]:
+def _real_batches(config, built) -> list[dict]:
     """jdp's own global batches for the whole run, as host numpy: equal content."""
-    from jdp.data import pipeline
+    from jdp.data import streamed
 
-    stream = pipeline.example_stream(parts.data.train, parts.data.preprocess_for(train=True),
+    stream = streamed.example_stream(built.data.train, built.data.preprocess_for(train=True),
                                      config.seed)
-    return list(pipeline.train_batches(
+    return list(streamed.train_batches(
         stream, global_batch_size=config.batch_size, rows=slice(0, config.batch_size),
         start_step=0, num_steps=config.total_steps, num_threads=config.data.num_threads))
 
 
-def _loss_fn(parts, label_smoothing: float):
-    """Softmax cross-entropy of the model on a batch as the host ships it; the data's
-    device half of the preprocessing (uint8 -> normalised float32) runs first, as in jdp."""
+def _loss_fn(built):
+    """The task's objective (its weighted mean loss) of the model on a batch as the host
+    ships it; the data's device half of the preprocessing (uint8 -> normalised float32)
+    runs first, as in jdp."""
     import jax
-    import optax
 
-    model, device_preprocess = parts.model, parts.data.device_preprocess
+    from jdp.experiment import task as task_lib
+
+    model, task, device_preprocess = built.model, built.task, built.data.device_preprocess
 
     def loss_fn(params, model_state, batch):
         if device_preprocess is not None:
             batch = device_preprocess(batch)
-        logits, _ = model.apply(params, model_state, (batch["image"],), True, jax.random.key(0))
-        targets = optax.smooth_labels(jax.nn.one_hot(batch["label"], logits.shape[-1]),
-                                      label_smoothing)
-        return optax.softmax_cross_entropy(logits, targets).mean()
+        outputs, _ = model.apply(params, model_state, task.model_inputs(batch), True,
+                                 jax.random.key(0))
+        total, weight = task_lib.weighted_sums(task.objective(outputs, batch))[task_lib.LOSS]
+        return total / weight
 
     return loss_fn
 
 
-def _minimal_pjit(parts, tx, label_smoothing: float, seed: int):
+def _minimal_pjit(built, tx, seed: int):
     """(init, step, put, read) of one jit, GSPMD inserting the gradient reduction."""
     import jax
     import optax
 
-    from jdp.mesh import batch_sharding, make_mesh, replicated
+    from jdp.parallel.mesh import batch_sharding, make_mesh, replicated
 
     mesh = make_mesh()
-    loss_fn = _loss_fn(parts, label_smoothing)
+    loss_fn = _loss_fn(built)
 
     def init():
-        params, model_state = jax.jit(parts.model.init, out_shardings=replicated(mesh))(
-            jax.random.key(seed), parts.sample_inputs())
+        params, model_state = jax.jit(built.model.init, out_shardings=replicated(mesh))(
+            jax.random.key(seed), built.sample_inputs())
         return params, model_state, jax.jit(tx.init, out_shardings=replicated(mesh))(params)
 
     def train_step(state, batch):
@@ -200,18 +204,18 @@ def _minimal_pjit(parts, tx, label_smoothing: float, seed: int):
     return init, step, lambda batch: jax.device_put(batch, sharding), float
 
 
-def _minimal_pmap(parts, tx, label_smoothing: float, seed: int):
+def _minimal_pmap(built, tx, seed: int):
     """(init, step, put, read) of a pmap step: one replica per device, an explicit pmean."""
     import jax
     import numpy as np
     import optax
 
     count = jax.device_count()
-    loss_fn = _loss_fn(parts, label_smoothing)
+    loss_fn = _loss_fn(built)
 
     def init():
-        params, model_state = jax.device_get(jax.jit(parts.model.init)(jax.random.key(seed),
-                                                                       parts.sample_inputs()))
+        params, model_state = jax.device_get(jax.jit(built.model.init)(jax.random.key(seed),
+                                                                       built.sample_inputs()))
         state = (params, model_state, jax.device_get(jax.jit(tx.init)(params)))
         return jax.tree.map(lambda x: np.broadcast_to(x, (count, *np.shape(x))), state)
 
@@ -256,15 +260,15 @@ def _child(argv: list[str]) -> None:
     add_arguments(parser, "overhead")
     args = parser.parse_args(argv)
 
-    from jdp import experiment, optim
+    from jdp.experiment import components, loader, optim
 
     config = _load(args)
-    exp = experiment.load(args.config)
-    parts = experiment.build(exp, config)
-    batches = _real_batches(config, parts)
+    exp = loader.load(args.config)
+    built = components.build(exp, config)
+    batches = _real_batches(config, built)
     tx = exp.build_optimizer(config, optim.learning_rate_fn(config))
     make_loop = _minimal_pjit if args.backend == "pjit" else _minimal_pmap
-    loop = make_loop(parts, tx, config.label_smoothing, config.seed)
+    loop = make_loop(built, tx, config.seed)
     rates, input_wait = {"jdp": [], "minimal": []}, []
     for _ in range(args.repeats):  # alternating, so drift hits both alike
         rate, wait, jdp_loss = _jdp_run(config, args.config)
@@ -274,8 +278,8 @@ def _child(argv: list[str]) -> None:
         rates["minimal"].append(rate)
     print(json.dumps({**rates, "input_wait": statistics.median(input_wait), "jdp_loss": jdp_loss,
                       "minimal_loss": statistics.mean(losses[-args.log_every:]),
-                      "workload": f"ViT-{config.model.size}/{config.model.patch_size} "
-                                  f"{config.data.name} batch {config.batch_size}, "
+                      "workload": f"{os.path.basename(args.config)} model "
+                                  f"{config.model.get('size', '')}, batch {config.batch_size}, "
                                   f"{args.steps} steps"}))
 
 

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from jdp import metrics
+from jdp.observe.writers import read_jsonl
 
 
 def add_arguments(parser, name: str) -> None:
@@ -63,7 +63,7 @@ def _overrides(config_path: str, steps: int) -> list[str]:
 
 def _minimal_arguments(config_path: str, overrides: list[str]) -> list[str]:
     """minimal_vit's flags, read off the config jdp runs, so both train the same thing."""
-    from jdp import optim
+    from jdp.experiment import optim
     from jdp.main import load_config
 
     config = load_config(config_path, *overrides)
@@ -101,7 +101,7 @@ def _time_jdp(config_path: str, overrides: list[str], scratch: str,
     env = {**env, "JDP_COMPILE_CACHE_DIR": os.path.join(scratch, "compile_cache")}
     seconds, _ = _timed([sys.executable, "-m", "jdp.main", f"--config={config_path}",
                          f"--workdir={workdir}", *overrides], env)
-    records = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    records = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
     return seconds, [r["eval/accuracy"] for r in records if "eval/accuracy" in r][-1]
 
 

@@ -12,15 +12,15 @@ import jax
 import numpy as np
 import optax
 
-from jdp import modeling
-from jdp.mesh import make_mesh
+from jdp.experiment import adapters
+from jdp.experiment.task import classification
 from jdp.models import vit
 from jdp.parallel import StepOptions, make_backend
-from jdp.task import classification
+from jdp.parallel.mesh import make_mesh
 
 
-def vit_model(size: str) -> modeling.Model:
-    return modeling.from_linen(vit(size, num_classes=10, patch_size=4, pool="gap"))
+def vit_model(size: str) -> adapters.Model:
+    return adapters.from_linen(vit(size, num_classes=10, patch_size=4, pool="gap"))
 
 
 def random_batch(global_batch_size: int, image_size: int = 32) -> dict[str, np.ndarray]:

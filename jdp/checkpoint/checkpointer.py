@@ -1,11 +1,11 @@
 """Checkpoint mechanics: saving, finding and restoring the train state with Orbax.
 
 Owns the on-disk checkpoints of a run (`<directory>/<step>/default/`): asynchronous,
-atomic saves from every process; which step to resume from (only complete ones count);
-retention (newest N, or best N by a metric plus the newest); restoring onto any mesh and
-sharding; the preemption sync point; and loading only the params of a checkpoint for
-fine-tuning. It does not decide when to evaluate or stop, and keeps no data position
-(that follows from the step).
+atomic saves from every process, at its own cadence (`every_steps`, plus the saves the
+trainer forces at the end and at preemption); which step to resume from (only complete
+ones count); retention (newest N, or best N by a metric plus the newest); restoring onto
+any mesh and sharding. It does not decide when to evaluate or stop, and keeps no data
+position (that follows from the step).
 """
 
 from __future__ import annotations
@@ -14,10 +14,7 @@ import contextlib
 import dataclasses
 import operator
 import os
-import signal
-import threading
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
 
 import jax
 import orbax.checkpoint as ocp
@@ -25,7 +22,9 @@ from absl import logging
 from etils import epath
 from orbax.checkpoint.checkpoint_manager import DEFAULT_ITEM_NAME
 
-PyTree = Any
+from jdp.checkpoint import layout
+from jdp.checkpoint.layout import CheckpointError, CheckpointSaveError, PyTree
+from jdp.errors import ConfigError, first_line
 
 # Orbax's replica-parallel saving splits every replicated array into one slice per
 # replica (to spread the writing over hosts) and dispatches a device slice op for
@@ -52,18 +51,6 @@ def _register_array_handler() -> None:
         ),
         override=True,
     )
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be used: missing, damaged, or not matching the model."""
-
-
-class DamagedCheckpointError(CheckpointError):
-    """A checkpoint whose files cannot be read (torn, truncated, bit rot)."""
-
-
-class CheckpointSaveError(CheckpointError):
-    """A save that failed (disk full, permissions); the previous checkpoint is intact."""
 
 
 class Checkpointer:
@@ -114,14 +101,10 @@ class Checkpointer:
             single_host_load_and_broadcast=True,
         )
         self._manager = ocp.CheckpointManager(epath.Path(directory), options=options)
-        # JAX's preemption sync point needs jax.distributed and reports False without it,
-        # so a lone process notes SIGTERM itself (there is nobody to agree with).
-        self._sigterm = threading.Event()
-        self._previous_sigterm_handler = None
-        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            self._previous_sigterm_handler = signal.signal(
-                signal.SIGTERM, lambda *_: self._sigterm.set()
-            )
+
+    def due(self, step: int) -> bool:
+        """Whether `step` is one of this checkpointer's periodic saves."""
+        return self._every_steps > 0 and step % self._every_steps == 0
 
     @property
     def directory(self) -> epath.Path:
@@ -154,18 +137,12 @@ class Checkpointer:
         state's device buffers are copied to host before this returns, so the caller may
         donate or overwrite them; the writing continues in the background.
         """
-        periodic = self._every_steps > 0 and step % self._every_steps == 0
-        if not (periodic or force):
+        if not (self.due(step) or force):
             return False
         if step in self._manager.all_steps():
             return False
         if metrics is not None:
-            if self._best_metric is not None and self._best_metric not in metrics:
-                raise ValueError(
-                    f"checkpoint best_metric {self._best_metric!r} is not among the metrics "
-                    f"passed to save ({', '.join(sorted(metrics))}); set best_metric to one "
-                    "of them."
-                )
+            check_best_metric(self._best_metric, metrics)
             metrics = {name: float(value) for name, value in metrics.items()}  # JSON-able
         # force=True: the decision above is ours, the same on every process without I/O
         # (Orbax's own policy would also save the first step of every run).
@@ -195,10 +172,11 @@ class Checkpointer:
                 f"steps: {sorted(steps)}); restore one of those."
             )
         item_dir = self.directory / str(step) / DEFAULT_ITEM_NAME
-        saved, expected = _saved_shapes(item_dir), _expected_shapes(abstract_state)
+        saved, expected = layout.saved_shapes(item_dir), layout.expected_shapes(abstract_state)
         reset = [field for field in fresh or {}
-                 if _within(saved, field) != _within(expected, field)]
-        _check_matches(_without(saved, reset), _without(expected, reset), item_dir)
+                 if layout.within(saved, field) != layout.within(expected, field)]
+        layout.check_matches(layout.without(saved, reset), layout.without(expected, reset),
+                             item_dir)
         try:
             if not reset:
                 return self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
@@ -210,20 +188,13 @@ class Checkpointer:
                     restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                     partial_restore=True))
         except Exception as error:  # typically array files damaged behind intact metadata
-            raise _unreadable(item_dir, error) from error
+            raise layout.unreadable(item_dir, error) from error
         for field in reset:
             logging.warning(
                 "checkpoint step %d: its %s (%s) belongs to another topology or reduction "
                 "than this run's (%s); starting it afresh", step, field,
-                _within(saved, field) or "absent", _within(expected, field) or "none")
+                layout.within(saved, field) or "absent", layout.within(expected, field) or "none")
         return abstract_state.replace(**restored, **{field: fresh[field]() for field in reset})
-
-    def reached_preemption(self, step: int) -> bool:
-        """True on every process at the same step once any of them was told to stop.
-
-        Call it at every step on every process (JAX's sync point agrees on the step).
-        """
-        return self._sigterm.is_set() or self._manager.reached_preemption(step)
 
     def wait(self) -> None:
         """Blocks until the save in flight is committed; raises if it failed."""
@@ -233,7 +204,7 @@ class Checkpointer:
             raise self._save_failed(None, error) from error
 
     def _save_failed(self, step: int | None, error: Exception) -> CheckpointSaveError:
-        reason = (str(error).strip().splitlines() or [""])[0][:300]
+        reason = first_line(error)
         # Orbax deletes old steps only after a new one is committed: none was. After a
         # failure the manager's list may miss committed steps, and the disk may not yet
         # show one whose commit is still in flight: both count.
@@ -247,9 +218,16 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
-        if self._previous_sigterm_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_sigterm_handler)
-            self._previous_sigterm_handler = None
+
+
+def check_best_metric(best_metric: str | None, metrics: Iterable[str]) -> None:
+    """`checkpoint.keep_best` must name one of the metrics evaluation reports (and passes
+    to `save`); the trainer checks it at start, before anything is written."""
+    if best_metric and best_metric not in metrics:
+        names = ", ".join(map(repr, sorted(metrics)))
+        raise ConfigError(
+            f"config.checkpoint.keep_best={best_metric!r}: {best_metric!r} is not among the "
+            f"metrics passed to save (evaluation reports {names}). Fix: use one of them.")
 
 
 def _preservation_policy(
@@ -268,117 +246,4 @@ def _preservation_policy(
     )
     return ocp.checkpoint_managers.AnyPreservationPolicy(
         [ocp.checkpoint_managers.LatestN(n=1), best]
-    )
-
-
-def load_params(path: str | os.PathLike, abstract_params: PyTree) -> PyTree:
-    """Only the params of a checkpoint (for fine-tuning), placed like `abstract_params`.
-
-    `path` is a checkpoint directory (its newest complete step is used) or one step
-    directory in it. Names and shapes must match the model's exactly.
-    """
-    item_dir = _params_item_dir(epath.Path(path))
-    saved = {
-        name: shape for name, shape in _saved_shapes(item_dir).items() if name.startswith("params/")
-    }
-    target = {"params": abstract_params}
-    _check_matches(saved, _expected_shapes(target), item_dir)
-    args = ocp.args.PyTreeRestore(
-        item=target,
-        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=True,  # leave the optimizer state and the rest on disk
-    )
-    try:
-        with contextlib.closing(ocp.PyTreeCheckpointHandler()) as handler:
-            return handler.restore(item_dir, args=args)["params"]
-    except Exception as error:
-        raise _unreadable(item_dir, error) from error
-
-
-def _params_item_dir(path: epath.Path) -> epath.Path:
-    """The item directory of the step that `path` names, or of its newest complete step."""
-    if not path.exists():
-        raise CheckpointError(
-            f"Cannot load params: {path} does not exist. Point checkpoint.init_from at a "
-            "jdp checkpoint directory or one of its step directories."
-        )
-    if (path / DEFAULT_ITEM_NAME).is_dir() and ocp.step.is_path_finalized(path):
-        return path / DEFAULT_ITEM_NAME
-    steps = ocp.utils.checkpoint_steps(path)
-    if not steps:
-        raise CheckpointError(
-            f"Cannot load params: {path} holds no complete checkpoint. Point "
-            "checkpoint.init_from at a jdp checkpoint directory or one of its step directories."
-        )
-    return path / str(max(steps)) / DEFAULT_ITEM_NAME
-
-
-def _saved_shapes(item_dir: epath.Path) -> dict[str, tuple[int, ...]]:
-    """Shape of every array in a checkpoint item, by path (`params/Dense_0/kernel`)."""
-    try:
-        with contextlib.closing(ocp.PyTreeCheckpointHandler()) as handler:
-            tree = handler.metadata(item_dir).tree
-    except Exception as error:  # no or unreadable _METADATA although the step is complete
-        raise _unreadable(item_dir, error) from error
-    return {name: tuple(leaf.shape) for name, leaf in _flat(tree).items()}
-
-
-def _expected_shapes(abstract: PyTree) -> dict[str, tuple[int, ...]]:
-    return {name: _stored_shape(leaf) for name, leaf in _flat(abstract).items()}
-
-
-def _within(shapes: dict[str, tuple[int, ...]], field: str) -> dict[str, tuple[int, ...]]:
-    return {name: shape for name, shape in shapes.items() if name.split("/")[0] == field}
-
-
-def _without(shapes: dict[str, tuple[int, ...]], fields) -> dict[str, tuple[int, ...]]:
-    return {name: shape for name, shape in shapes.items() if name.split("/")[0] not in fields}
-
-
-def _check_matches(saved: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]],
-                   where: epath.Path) -> None:
-    """Raises a CheckpointError naming every array whose name or shape differs."""
-    problems = []
-    if reshaped := [
-        f"{name} is {saved[name]} in the checkpoint but {shape} in the model"
-        for name, shape in sorted(expected.items())
-        if name in saved and saved[name] != shape
-    ]:
-        problems.append(_some(reshaped))
-    if missing := sorted(expected.keys() - saved.keys()):
-        problems.append(f"missing from the checkpoint: {_some(missing)}")
-    if unexpected := sorted(saved.keys() - expected.keys()):
-        problems.append(f"in the checkpoint but not in the model: {_some(unexpected)}")
-    if problems:
-        raise CheckpointError(
-            f"Checkpoint {where} does not match the model: {'; '.join(problems)}. Use a "
-            "checkpoint of the same model and optimizer, or configure the model to match it."
-        )
-
-
-def _stored_shape(leaf: Any) -> tuple[int, ...]:
-    # Orbax stores a typed PRNG key as its key data: a () key<fry> is a (2,) uint32 array.
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-        return tuple(jax.eval_shape(jax.random.key_data, leaf).shape)
-    return tuple(leaf.shape)
-
-
-def _flat(tree: PyTree) -> dict[str, Any]:
-    # Orbax's own naming of the saved tree, so both sides spell paths the same way.
-    return ocp.tree.to_flat_dict(tree, sep="/")
-
-
-def _some(names: list[str], limit: int = 5) -> str:
-    more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
-
-
-def _unreadable(item_dir: epath.Path, error: Exception) -> CheckpointError:
-    reason = (str(error).strip().splitlines() or [""])[0][:300]
-    step_dir = item_dir.parent
-    # Moving aside, not deleting: the reason may be ours (a sharding), not the files'.
-    return DamagedCheckpointError(
-        f"Checkpoint {item_dir} cannot be read ({type(error).__name__}: {reason}). If it is "
-        f"damaged, move {step_dir} aside (e.g. to {step_dir}.damaged) to fall back to the "
-        "previous checkpoint, or use another one."
     )

@@ -1,9 +1,11 @@
 """What jdp needs from an experiment's data, and the checks run on it at start.
 
-An experiment file may define `build_data(config) -> jdp.data.Data`: train and
+An experiment file may define `build_data(config) -> jdp.data.Data` (or
+`build_data(config, *, workdir)`, to keep prepared data in the workdir): train and
 eval *sources* (anything with `__len__` and `__getitem__(index) -> dict`: a
 TFDS data source, a grain source, `jdp.data.files` sources, numpy arrays
-wrapped in a class), the per-example preprocessing on the host and, optionally,
+wrapped in a class; one that also has `get_batch(indices) -> dict` of stacked
+examples is read into memory by it), the per-example preprocessing on the host and, optionally,
 a batch preprocessing on the device. jdp keeps the rest: the global-index
 sampler, each process reading only its rows, padding and a mask for
 evaluation, worker processes, prefetching and resuming at a step.
@@ -20,6 +22,7 @@ import numpy as np
 
 from jdp.errors import ConfigError
 
+Batch = dict[str, np.ndarray]  # feature name -> stacked values, one row per example
 # (example, rng) -> dict of numpy arrays. rng is a numpy Generator seeded by
 # (seed, global example index) for training and None for evaluation.
 Preprocess = Callable[[dict, "np.random.Generator | None"], dict]

@@ -1,7 +1,8 @@
 """The data a config names, for experiments that define no `build_data`: image
 classification on a TFDS dataset by name (`data.name`, the built-in `digits`
 by default, or any dataset prepared in `data.data_dir`) or on the user's own
-`.npz` / ArrayRecord files (`data.train_files`, `data.eval_files`).
+`.npz` / ArrayRecord files (`data.train_files`, `data.eval_files`); or packed text
+for a language model (`data.text_files`, `jdp.data.text.lm`).
 """
 
 from __future__ import annotations
@@ -10,11 +11,15 @@ import numpy as np
 
 from jdp.data import files, images, tfds_source
 from jdp.data.core import Data
+from jdp.data.text import lm as text_lm
 from jdp.errors import ConfigError
 
 
-def build(config) -> Data:
+def build(config, *, workdir: str = "") -> Data:
     data_config = config.data
+    if text_lm.uses_text(data_config):
+        return text_lm.build(data_config, workdir=workdir,
+                             eval_batch_size=config.eval_batch_size or config.batch_size)
     if data_config.train_files or data_config.eval_files:
         return _from_files(data_config)
     return _from_tfds(data_config)

@@ -23,7 +23,7 @@ import numpy as np
 from array_record.python import array_record_data_source, array_record_module
 from flax import serialization
 
-from jdp.errors import ConfigError
+from jdp.errors import ConfigError, first_line
 
 Example = dict[str, np.ndarray]
 
@@ -48,10 +48,6 @@ class _FilesError(ValueError):
         super().__init__(f"{found}. Fix: {fix}")
         self.found = found
         self.fix = fix
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 def _some(items: Sequence[str], limit: int = 3) -> str:
@@ -84,7 +80,7 @@ def _load_npz(path: str) -> dict[str, np.ndarray]:
         with loaded:
             arrays = {name: loaded[name] for name in loaded.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
-        raise _FilesError(f"cannot read {path}: {_one_line(e)}", _NPZ_FIX) from e
+        raise _FilesError(f"cannot read {path}: {first_line(e)}", _NPZ_FIX) from e
     if not arrays:
         raise _FilesError(f"{path} holds no arrays", _NPZ_FIX)
     scalars = [name for name, array in arrays.items() if array.ndim == 0]
@@ -100,16 +96,33 @@ def _load_npz(path: str) -> dict[str, np.ndarray]:
     return arrays
 
 
-class NpzSource:
-    """Examples from `.npz` archives: each array is a feature whose first axis indexes examples.
+class _FileSource:
+    """What both file sources share: the list of files, whose examples follow each other
+    in the order given, and their feature names."""
 
-    The examples of several files follow each other in the order given.
-    """
+    kind = ""
+    feature_names: tuple[str, ...] = ()
 
     def __init__(self, paths: Sequence[str]):
         if not paths:
-            raise _FilesError("no .npz files given", "pass at least one path.")
+            raise _FilesError(f"no {self.kind} files given", "pass at least one path.")
         self.paths = list(paths)
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({len(self.paths)} files, {len(self)} examples, "
+                f"features={list(self.feature_names)})")
+
+
+class NpzSource(_FileSource):
+    """Examples from `.npz` archives: each array is a feature whose first axis indexes examples."""
+
+    kind = ".npz"
+
+    def __init__(self, paths: Sequence[str]):
+        super().__init__(paths)
         self._files = [_load_npz(path) for path in self.paths]
         _check_same_features(self.paths, [tuple(f) for f in self._files])
         self.feature_names = tuple(self._files[0])
@@ -125,10 +138,6 @@ class NpzSource:
         row = i - (self._ends[file - 1] if file else 0)
         # Copies, so a caller's in-place preprocessing cannot change the dataset.
         return {name: array[row].copy() for name, array in self._files[file].items()}
-
-    def __repr__(self) -> str:
-        return (f"NpzSource({len(self.paths)} files, {len(self)} examples, "
-                f"features={list(self.feature_names)})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +173,7 @@ def _inspect_array_record(path: str) -> tuple[int, tuple[str, ...] | None]:
         finally:
             reader.close()
     except (OSError, RuntimeError, ValueError) as e:
-        raise _FilesError(f"cannot read {path}: {_one_line(e)}", _ARRAY_RECORD_FIX) from e
+        raise _FilesError(f"cannot read {path}: {first_line(e)}", _ARRAY_RECORD_FIX) from e
     if first is None:
         return 0, None
     try:
@@ -172,19 +181,16 @@ def _inspect_array_record(path: str) -> tuple[int, tuple[str, ...] | None]:
     except (ValueError, TypeError) as e:
         # e.g. TFDS shards, whose records are tf.train.Example protos.
         raise _FilesError(f"{path}: record 0 is not a msgpack-encoded dict of arrays "
-                          f"({_one_line(e)})", _ARRAY_RECORD_FIX) from e
+                          f"({first_line(e)})", _ARRAY_RECORD_FIX) from e
 
 
-class ArrayRecordSource:
-    """Examples from ArrayRecord files whose records `write_array_records` wrote.
+class ArrayRecordSource(_FileSource):
+    """Examples from ArrayRecord files whose records `write_array_records` wrote."""
 
-    The examples of several files follow each other in the order given.
-    """
+    kind = "ArrayRecord"
 
     def __init__(self, paths: Sequence[str]):
-        if not paths:
-            raise _FilesError("no ArrayRecord files given", "pass at least one path.")
-        self.paths = list(paths)
+        super().__init__(paths)
         counts, names = {}, {}
         for path in self.paths:
             counts[path], names[path] = _inspect_array_record(path)
@@ -200,10 +206,6 @@ class ArrayRecordSource:
 
     def __getitem__(self, index: SupportsIndex) -> Example:
         return _decode(self._records[_checked_index(index, len(self))])
-
-    def __repr__(self) -> str:
-        return (f"ArrayRecordSource({len(self.paths)} files, {len(self)} examples, "
-                f"features={list(self.feature_names)})")
 
 
 def _as_arrays(example: Mapping[str, Any], index: int) -> dict[str, np.ndarray | np.generic]:
@@ -234,7 +236,7 @@ def write_array_records(path: str, examples: Iterable[Mapping[str, Any]]) -> int
         try:
             writer.close()  # raises with the reason the open failed
         except RuntimeError as e:
-            reason = _one_line(e)
+            reason = first_line(e)
         raise OSError(f"cannot write ArrayRecord file {path}: {reason}")
     count = 0
     feature_names: set[str] | None = None

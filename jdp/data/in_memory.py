@@ -11,7 +11,7 @@ permutation), one fancy index per feature and one call of the batch preprocessin
 in the thread that asks for it: `data.num_threads` and `data.num_workers` do not
 apply.
 
-The batches are bitwise grain's (`pipeline.example_stream`): global example g is
+The batches are bitwise grain's (`streamed.example_stream`): global example g is
 in epoch g // n at the source position grain's shuffle gives g % n in that epoch
 (the same cipher, `jdp.data.index_shuffle`, with the seed grain derives for the
 epoch), and its preprocessing draws from the generator grain's `random_map` makes
@@ -29,72 +29,37 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 from absl import logging
 
-from jdp.data import index_shuffle, pipeline
-from jdp.data.core import BatchPreprocess, Data, Preprocess
+from jdp.data import index_shuffle, streamed
+from jdp.data.core import Batch, BatchPreprocess, Data, Preprocess
 from jdp.errors import ConfigError
 
 BUDGET_BYTES = 2**30  # 'auto': the most a split's arrays may take, in each process
 _CHECKED_EXAMPLES = 4  # the batch preprocessing is compared with the per-example one on these
+_READ_CHUNK = 4096  # examples per call of a source's get_batch(indices)
 
 Arrays = dict[str, np.ndarray]
-Batch = pipeline.Batch
 
 
-class _Unsuitable(Exception):
+class Unsuitable(Exception):
     """Why a split cannot be batched from memory."""
-
-
-def open_train(data: Data, *, seed: int,
-               setting: str) -> InMemoryTrain | pipeline.StreamedTrain:
-    """The training split from memory where `setting` and the data allow, else through grain."""
-    try:
-        loaded = _load(data, train=True, setting=setting)
-        if loaded is not None:
-            order = Order(len(data.train), seed)
-            order.check_against_grain()
-            return InMemoryTrain(*loaded, order)
-    except _Unsuitable as reason:
-        _stream_instead("train", setting, reason)
-    return pipeline.StreamedTrain(data.train, data.preprocess_for(train=True), seed)
-
-
-def open_eval(data: Data, *, setting: str) -> InMemoryEval | pipeline.StreamedEval:
-    """The evaluation split from memory where `setting` and the data allow, else through grain."""
-    try:
-        loaded = _load(data, train=False, setting=setting)
-        if loaded is not None:
-            return InMemoryEval(*loaded)
-    except _Unsuitable as reason:
-        _stream_instead("eval", setting, reason)
-    return pipeline.StreamedEval(data.eval, data.preprocess_for(train=False))
-
-
-def _stream_instead(split: str, setting: str, reason: _Unsuitable) -> None:
-    if setting == "true":
-        raise ConfigError(
-            f"config.data.in_memory='true': the {split} split cannot be batched from memory: "
-            f"{reason}. Fix: pass --config.data.in_memory=auto to stream it through grain "
-            "instead.") from reason
-    logging.info("the %s split streams through grain, example by example: %s", split, reason)
 
 
 @dataclasses.dataclass(frozen=True)
 class InMemoryTrain:
     """The training split in memory: `batches` gives bitwise what
-    `pipeline.StreamedTrain.batches` gives."""
+    `streamed.StreamedTrain.batches` gives."""
 
     arrays: Arrays
     batch_preprocess: BatchPreprocess
     order: Order
 
     def batches(self, *, global_batch_size: int, rows: slice, start_step: int,
-                num_steps: int, num_threads: int = 0, num_workers: int = 0) -> Iterator[Batch]:
+                num_steps: int) -> Iterator[Batch]:
         """This process's rows of global batches start_step .. start_step+num_steps-1,
-        prepared in the thread that iterates (threads and workers do not apply)."""
-        del num_threads, num_workers
+        prepared in the thread that iterates."""
         local_rows = np.arange(rows.start, rows.stop)
         for step in range(start_step, start_step + num_steps):
-            indices = pipeline.global_index(step, local_rows, global_batch_size)
+            indices = streamed.global_index(step, local_rows, global_batch_size)
             batch = _gather(self.arrays, self.order.positions(indices))
             yield self.batch_preprocess(batch, self.order.generators(indices))
 
@@ -102,18 +67,16 @@ class InMemoryTrain:
 @dataclasses.dataclass(frozen=True)
 class InMemoryEval:
     """The evaluation split in memory: `batches` gives bitwise what
-    `pipeline.StreamedEval.batches` gives, padding and mask included."""
+    `streamed.StreamedEval.batches` gives, padding and mask included."""
 
     arrays: Arrays
     batch_preprocess: BatchPreprocess
 
-    def batches(self, *, global_batch_size: int, rows: slice, num_threads: int = 0,
-                num_workers: int = 0) -> Iterator[Batch]:
-        del num_threads, num_workers
+    def batches(self, *, global_batch_size: int, rows: slice) -> Iterator[Batch]:
         num_examples = len(next(iter(self.arrays.values())))
         local_rows = np.arange(rows.start, rows.stop)
-        for step in range(pipeline.num_eval_batches(num_examples, global_batch_size)):
-            indices = pipeline.global_index(step, local_rows, global_batch_size)
+        for step in range(streamed.num_eval_batches(num_examples, global_batch_size)):
+            indices = streamed.global_index(step, local_rows, global_batch_size)
             valid = indices < num_examples  # padding: copies of example 0, masked out
             batch = _gather(self.arrays, np.where(valid, indices, 0))
             yield {**self.batch_preprocess(batch, None), "mask": valid.astype(np.float32)}
@@ -123,14 +86,14 @@ def _gather(arrays: Arrays, positions: np.ndarray) -> Batch:
     return {key: array[positions] for key, array in arrays.items()}
 
 
-def _load(data: Data, *, train: bool, setting: str) -> tuple[Arrays, BatchPreprocess] | None:
+def load(data: Data, *, train: bool, setting: str) -> tuple[Arrays, BatchPreprocess] | None:
     """The split's arrays and batch preprocessing (checked), None for setting 'false'."""
     if setting == "false":
         return None
     split = "train" if train else "eval"
     batch_preprocess = data.batch_preprocess_for(train)
     if batch_preprocess is None:
-        raise _Unsuitable("its Data has no batch form of the preprocessing (Data.batch_preprocess; "
+        raise Unsuitable("its Data has no batch form of the preprocessing (Data.batch_preprocess; "
                           "jdp's image preprocessing has none for images it resizes)")
     source = data.train if train else data.eval
     arrays = read(source, budget_bytes=BUDGET_BYTES if setting == "auto" else None)
@@ -149,27 +112,33 @@ def _is_numeric(value) -> bool:
 def read(source, budget_bytes: int | None = None) -> Arrays:
     """Every example of `source`, one array per feature with the examples on its first
     axis. Features that are not numeric (bytes, strings) are left out; each numeric one
-    must have one shape and dtype in every example. Raises _Unsuitable, before reading
+    must have one shape and dtype in every example. Raises Unsuitable, before reading
     on, once the arrays would take more than `budget_bytes`."""
     count = len(source)
     first = source[0]
     keys = [key for key, value in first.items() if _is_numeric(value)]
     if not keys:
-        raise _Unsuitable(f"no feature is numeric (they are {', '.join(map(repr, first))})")
+        raise Unsuitable(f"no feature is numeric (they are {', '.join(map(repr, first))})")
     arrays = {key: np.empty((count, *np.shape(first[key])), np.asarray(first[key]).dtype)
               for key in keys}
     size_bytes = sum(array.nbytes for array in arrays.values())  # nothing allocated yet
     if budget_bytes is not None and size_bytes > budget_bytes:
-        raise _Unsuitable(f"its {count:,} examples take {size_bytes / 2**20:,.1f} MiB, above the "
+        raise Unsuitable(f"its {count:,} examples take {size_bytes / 2**20:,.1f} MiB, above the "
                           f"{budget_bytes / 2**20:,.1f} MiB that 'auto' reads into memory")
+    if hasattr(source, "get_batch"):  # a source that reads many examples at once
+        for start in range(0, count, _READ_CHUNK):
+            chunk = source.get_batch(np.arange(start, min(start + _READ_CHUNK, count)))
+            for key, array in arrays.items():
+                array[start:start + len(chunk[key])] = chunk[key]
+        return arrays
     for index in range(count):
         example = first if index == 0 else source[index]
         for key, array in arrays.items():
             if key not in example:
-                raise _Unsuitable(f"example {index} has no feature {key!r}")
+                raise Unsuitable(f"example {index} has no feature {key!r}")
             value = np.asarray(example[key])
             if value.shape != array.shape[1:] or value.dtype != array.dtype:
-                raise _Unsuitable(f"feature {key!r} is {value.dtype}{list(value.shape)} in example "
+                raise Unsuitable(f"feature {key!r} is {value.dtype}{list(value.shape)} in example "
                                   f"{index} but {array.dtype}{list(array.shape[1:])} in example 0")
             array[index] = value
     return arrays
@@ -184,7 +153,7 @@ def _check_batch_form(arrays: Arrays, source, preprocess: Preprocess,
     def generators():
         return [np.random.default_rng(i) for i in range(count)] if train else [None] * count
 
-    expected = pipeline.stack_examples(
+    expected = streamed.stack_examples(
         [preprocess(source[i], rng) for i, rng in enumerate(generators())])
     fix = ("Fix: make batch_preprocess(batch, rngs) return exactly what stacking "
            "preprocess(example, rng) gives, or pass --config.data.in_memory=false to use "
@@ -275,15 +244,15 @@ class Order:
         return _Generators(self, global_indices)
 
     def check_against_grain(self) -> None:
-        """Raises _Unsuitable unless grain's own example stream has the same source position
+        """Raises Unsuitable unless grain's own example stream has the same source position
         and generator at global indices of several epochs (another grain version may not)."""
         n = self.num_examples
-        stream = pipeline.example_stream(range(n), _position_and_draw, self.seed)
+        stream = streamed.example_stream(range(n), _position_and_draw, self.seed)
         for index in (0, n - 1, n + n // 2, 5 * n + 3):
             ours = (int(self.positions(np.array([index]))[0]),
                     _position_and_draw(0, self.generator(index))[1])
             if ours != stream[index]:
-                raise _Unsuitable(
+                raise Unsuitable(
                     f"grain {importlib.metadata.version('grain')} orders or seeds the example "
                     f"stream otherwise than jdp reproduces it (global example {index}: grain "
                     f"gives source position and first draw {stream[index]}, jdp {ours})")

@@ -13,7 +13,7 @@ number of workers.
 
 Splits that fit in memory take a shorter road to the same batches
 (`jdp.data.in_memory`); `StreamedTrain` and `StreamedEval` are this module's
-side of the interface both roads offer the trainer: `batches(...)`.
+side of the split interface both roads implement (`jdp.data.splits`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import queue
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,9 +28,10 @@ from typing import Any
 
 import grain
 import numpy as np
-from absl import flags, logging
+from absl import flags
 
-Batch = dict[str, np.ndarray]
+from jdp.data.core import Batch
+from jdp.runtime import preemption
 
 
 def example_stream(source, preprocess: Callable, seed: int) -> grain.MapDataset:
@@ -76,8 +75,7 @@ def _init_worker(worker_index: int, worker_count: int) -> None:
     leaves them orphaned, and they exit by themselves.
     """
     del worker_index, worker_count
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    preemption.ignore_in_worker()
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
 
 
@@ -180,13 +178,15 @@ class StreamedTrain:
     source: Any
     preprocess: Callable
     seed: int
+    num_threads: int = 4  # threads of this process preparing examples (num_workers=0)
+    num_workers: int = 0  # worker processes preparing whole batches instead
 
     def batches(self, *, global_batch_size: int, rows: slice, start_step: int,
-                num_steps: int, num_threads: int = 4, num_workers: int = 0) -> Iterator[Batch]:
+                num_steps: int) -> Iterator[Batch]:
         return train_batches(example_stream(self.source, self.preprocess, self.seed),
                              global_batch_size=global_batch_size, rows=rows,
                              start_step=start_step, num_steps=num_steps,
-                             num_threads=num_threads, num_workers=num_workers)
+                             num_threads=self.num_threads, num_workers=self.num_workers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,79 +195,10 @@ class StreamedEval:
 
     source: Any
     preprocess: Callable
+    num_threads: int = 4
+    num_workers: int = 0
 
-    def batches(self, *, global_batch_size: int, rows: slice, num_threads: int = 4,
-                num_workers: int = 0) -> Iterator[Batch]:
+    def batches(self, *, global_batch_size: int, rows: slice) -> Iterator[Batch]:
         return eval_batches(self.source, self.preprocess, global_batch_size=global_batch_size,
-                            rows=rows, num_threads=num_threads, num_workers=num_workers)
-
-
-def eval_sample_batch(sample: dict, rows: slice) -> Batch:
-    """A batch shaped like this process's rows of an evaluation batch (zeros, mask 0):
-    what the eval step is compiled for ahead of time."""
-    count = rows.stop - rows.start
-    batch = {key: np.zeros((count, *np.shape(value)), np.asarray(value).dtype)
-             for key, value in sample.items()}
-    batch["mask"] = np.zeros((count,), np.float32)
-    return batch
-
-
-class Prefetcher:
-    """Moves host batches onto devices in a background thread, `depth` ahead.
-
-    `put` turns a host batch into device arrays (it is the backend's); the
-    transfer overlaps the running step. Errors surface on the next `next()`.
-    `close()` stops the thread and closes `batches` (its threads or worker
-    processes) from that thread, which owns it.
-    """
-
-    _DONE = object()
-    # How long close() waits for the batch being prepared; workers are closed then.
-    _CLOSE_TIMEOUT_S = 60.0
-
-    def __init__(self, batches: Iterator[Batch], put: Callable, depth: int = 2):
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._fill, args=(batches, put), daemon=True)
-        self._thread.start()
-
-    def _offer(self, item) -> bool:
-        """Queues `item` unless stopped first (the consumer may never take it)."""
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _fill(self, batches, put) -> None:
-        try:
-            for batch in batches:
-                if not self._offer(put(batch)):
-                    return
-            self._offer(self._DONE)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-            self._offer(e)
-        finally:
-            close = getattr(batches, "close", None)
-            if close is not None:
-                close()
-
-    def __iter__(self) -> Prefetcher:
-        return self
-
-    def __next__(self):
-        item = self._queue.get()
-        if item is self._DONE:
-            raise StopIteration
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(self._CLOSE_TIMEOUT_S)
-        if self._thread.is_alive():
-            logging.warning("the input pipeline did not stop within %.0f s; its worker "
-                            "processes end with this process", self._CLOSE_TIMEOUT_S)
+                            rows=rows, num_threads=self.num_threads,
+                            num_workers=self.num_workers)

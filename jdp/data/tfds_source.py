@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from jdp.errors import ConfigError
+from jdp.errors import ConfigError, first_line
 
 
 def resolve_data_dir(data_dir: str) -> str:
@@ -32,7 +32,7 @@ def builder(name: str, data_dir: str):
         prepared = found.is_prepared()
     except Exception as e:  # noqa: BLE001 - any failure here means "not readable"
         # TFDS's messages run over many lines; the first says what is wrong.
-        prepared, reason = False, f" ({type(e).__name__}: {_first_line(e)})"
+        prepared, reason = False, f" ({type(e).__name__}: {first_line(e)})"
     else:
         reason = ""
     if not prepared:
@@ -70,7 +70,7 @@ def open_split(found, split: str, field: str):
     except Exception as e:  # noqa: BLE001 - a bad split name or slice
         raise ConfigError(
             f"config.{field}={split!r}: {found.name} cannot open this split "
-            f"({type(e).__name__}: {_first_line(e)}). Fix: use one of "
+            f"({type(e).__name__}: {first_line(e)}). Fix: use one of "
             f"{', '.join(map(repr, found.info.splits))}, optionally sliced, e.g. "
             "'train[:90%]'.") from e
 
@@ -82,8 +82,3 @@ def num_classes(found, label_key: str) -> int | None:
 
 def feature_shape(found, key: str) -> tuple:
     return tuple(found.info.features[key].shape)
-
-
-def _first_line(error: Exception) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else ""

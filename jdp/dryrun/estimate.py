@@ -1,4 +1,4 @@
-"""The pre-flight plan of `--dry_run`: what one train step will cost before it runs.
+"""The estimate `--dry_run` prints: what one train step will cost before it runs.
 
 Given numbers already read from the compiled step (memory and FLOPs from XLA, the
 collectives from its HLO), this module does the arithmetic and writes the text: memory
@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jdp.parallel.hlo import Collective
+from jdp.dryrun.hlo import Collective
+from jdp.parallel.reducers import GRADIENT_SCOPE  # the name scope of the step's reduction
 
 _GRAD_BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, "float16": 2}
 _FITS_FIXES = ("a smaller --config.batch_size or more --config.grad_accum_steps, "
@@ -98,9 +99,6 @@ def scaling(grad_bytes: float, compute_s: float | None,
 
 def _outside_loop_all_reduces(collectives: Sequence[Collective]) -> list[Collective]:
     return [c for c in collectives if c.kind == "all-reduce" and not c.in_loop]
-
-
-GRADIENT_SCOPE = "gradient_all_reduce"  # jdp.parallel.step names its one reduction so
 
 
 def _is_gradient_reduce(collective: Collective) -> bool:

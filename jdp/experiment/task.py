@@ -17,6 +17,7 @@ An experiment file defines its own with `build_task(config) -> Task`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -46,11 +47,17 @@ class Task:
 
     `eval_objective` (default: `objective`) is what evaluation reports; the
     classification task uses it to report the loss without label smoothing.
+    `derived(means) -> {name: value}` adds evaluation figures that are functions of
+    the weighted means rather than means themselves (perplexity = exp(loss)).
+    `weight_unit` names what the loss weights count: with "tokens", the loop reports
+    `train/tokens_per_s` from the weight total (real target tokens, never padding).
     """
 
     objective: Callable[[Any, dict], Objective]
     inputs: tuple[str, ...] = ("image",)
     eval_objective: Callable[[Any, dict], Objective] | None = None
+    derived: Callable[[dict[str, float]], dict[str, float]] | None = None
+    weight_unit: str = "examples"
 
     def model_inputs(self, batch: dict) -> tuple:
         return tuple(batch[name] for name in self.inputs)
@@ -80,13 +87,18 @@ def classification(label_smoothing: float = 0.0, *, inputs: tuple[str, ...] = ("
     return Task(objective(label_smoothing), inputs, eval_objective=objective(0.0))
 
 
-def next_token(*, inputs: str = "inputs", targets: str = "targets",
-               weights: str = "weights") -> Task:
+def next_token(*, inputs: str | tuple[str, ...] = "inputs", targets: str = "targets",
+               weights: str = "weights", exact_match: bool = True,
+               tokens_per_byte: str | None = None) -> Task:
     """Next-token cross-entropy over the weighted target positions.
 
-    `token_accuracy` counts weighted positions whose arg-max is the target;
-    `exact_match` counts sequences (with any weight) whose every weighted
-    position is right: under teacher forcing that equals greedy decoding.
+    `inputs` names the model's input features (packed text: the tokens, segment ids
+    and positions). `token_accuracy` counts weighted positions whose arg-max is the
+    target; `exact_match` counts sequences (with any weight) whose every weighted
+    position is right: under teacher forcing that equals greedy decoding. With
+    `tokens_per_byte` (a per-example feature: the split's target tokens per byte of
+    text), `bits_per_byte` = nats per token x tokens / bytes / ln 2, comparable across
+    tokenizers. Evaluation also reports `perplexity` = exp(loss).
     """
 
     def objective(logits, batch) -> Objective:
@@ -94,14 +106,23 @@ def next_token(*, inputs: str = "inputs", targets: str = "targets",
         labels, weight = batch[targets], batch[weights].astype(jnp.float32)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
         correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
-        wrong_tokens = jnp.sum((1.0 - correct) * (weight > 0), axis=-1)
-        has_targets = jnp.any(weight > 0, axis=-1).astype(jnp.float32)
-        return Objective(Weighted(loss, weight), {
-            "token_accuracy": Weighted(correct, weight),
-            "exact_match": Weighted((wrong_tokens == 0).astype(jnp.float32), has_targets),
-        })
+        metrics = {"token_accuracy": Weighted(correct, weight)}
+        if exact_match:
+            wrong_tokens = jnp.sum((1.0 - correct) * (weight > 0), axis=-1)
+            has_targets = jnp.any(weight > 0, axis=-1).astype(jnp.float32)
+            metrics["exact_match"] = Weighted((wrong_tokens == 0).astype(jnp.float32),
+                                              has_targets)
+        if tokens_per_byte is not None:
+            scale = batch[tokens_per_byte].astype(jnp.float32)[:, None] / math.log(2.0)
+            metrics["bits_per_byte"] = Weighted(loss * scale, weight)
+        return Objective(Weighted(loss, weight), metrics)
 
-    return Task(objective, (inputs,))
+    names = (inputs,) if isinstance(inputs, str) else tuple(inputs)
+    return Task(objective, names, derived=_perplexity, weight_unit="tokens")
+
+
+def _perplexity(means: dict[str, float]) -> dict[str, float]:
+    return {"perplexity": math.exp(min(means[LOSS], 700.0))}  # exp overflows past ~709
 
 
 # -- the reduction: sums here, division after the all-reduce ----------------------

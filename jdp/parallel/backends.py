@@ -24,18 +24,18 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp import DATA_AXIS, HOSTS_AXIS, LOCAL_AXIS
-from jdp import mesh as mesh_lib
-from jdp.modeling import Model
+from jdp.experiment.adapters import Model
+from jdp.experiment.task import Task
+from jdp.parallel import mesh as mesh_lib
 from jdp.parallel import step as step_lib
-from jdp.parallel.reduction import FLAT, RESIDUAL_SPECS, Reduction
-from jdp.task import Task
+from jdp.parallel.reducers import Reducer, make_reducer, residual_specs
+from jdp.parallel.state import TrainState, init_state, step_rng
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +47,10 @@ class StepOptions:
     compiler_options: dict | None = None  # passed to XLA when compiling the train step
     learning_rate_fn: Callable | None = None  # step -> LR, reported from inside the step
     device_preprocess: Callable | None = None  # batch -> batch before the model (jdp.data.Data)
-    reduction: Reduction = FLAT  # how gradients are summed (pjit; pmap: flat only)
+    # How gradients are summed (`jdp.parallel.reducers`; pmap: flat only).
+    reduction: str = "flat"  # or "two_level"
+    cross_host_reduce: str = "float32"  # two_level: what crosses hosts
+    error_feedback: bool = True
 
 
 def compiler_options(platform: str, remat: str, shard_params: bool = False) -> dict | None:
@@ -83,40 +86,50 @@ class Backend:
         self._eval_step = None  # the backend's jitted or pmapped eval step
         self._compiled_eval_step = None
 
+    def reducer(self, param_specs=None, optimizer_specs=None) -> Reducer:
+        """The gradient reduction strategy of these options over this mesh (the specs
+        are the state's: FSDP and ZeRO-1 need them to split the gradients)."""
+        opts = self.options
+        return make_reducer(
+            reduction=opts.reduction, reduce_dtype=opts.reduce_dtype,
+            shard_params=opts.shard_params, shard_optimizer_state=opts.shard_optimizer_state,
+            param_specs=param_specs, optimizer_specs=optimizer_specs,
+            cross_host=opts.cross_host_reduce, error_feedback=opts.error_feedback,
+            hosts=self.mesh.shape[HOSTS_AXIS], local=self.mesh.shape[LOCAL_AXIS])
+
     # -- state: the canonical form is global arrays over the mesh ----------------
-    def global_shardings(self, abstract_state: step_lib.TrainState):
+    def global_shardings(self, abstract_state: TrainState):
         """Shardings of the canonical state (what init produces and checkpoints hold)."""
         mesh, opts = self.mesh, self.options
 
         def shard(tree, on: bool):
             return jax.tree.map(lambda x: mesh_lib.state_leaf_sharding(mesh, x, on), tree)
 
-        return step_lib.TrainState(
+        return TrainState(
             step=mesh_lib.replicated(mesh),
             params=shard(abstract_state.params, opts.shard_params),
             model_state=_replicated_sharding_tree(mesh, abstract_state.model_state),
             opt_state=shard(abstract_state.opt_state,
                             opts.shard_optimizer_state or opts.shard_params),
             rng=mesh_lib.replicated(mesh),
-            comm={name: NamedSharding(mesh, RESIDUAL_SPECS[name]) for name in abstract_state.comm},
+            residuals={name: NamedSharding(mesh, spec)
+                       for name, spec in residual_specs(abstract_state.residuals).items()},
         )
 
-    def abstract_state(self, rng: jax.Array, sample_inputs: tuple) -> step_lib.TrainState:
+    def abstract_state(self, rng: jax.Array, sample_inputs: tuple) -> TrainState:
         """Shapes, dtypes and canonical shardings of the state, without computing it.
 
         `sample_inputs` are the model's inputs for one example (leading dimension 1).
         """
-        init = functools.partial(step_lib.init_state, self.model, self.tx,
-                                 reduction=self.options.reduction)
+        init = functools.partial(init_state, self.model, self.tx, reducer=self.reducer())
         shapes = jax.eval_shape(init, rng, sample_inputs)
         shardings = self.global_shardings(shapes)
         return jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
-    def init_global(self, rng: jax.Array, sample_inputs: tuple) -> step_lib.TrainState:
+    def init_global(self, rng: jax.Array, sample_inputs: tuple) -> TrainState:
         """The initial state, created directly with its shardings (nothing on one device first)."""
-        init = functools.partial(step_lib.init_state, self.model, self.tx,
-                                 reduction=self.options.reduction)
+        init = functools.partial(init_state, self.model, self.tx, reducer=self.reducer())
         shardings = self.global_shardings(jax.eval_shape(init, rng, sample_inputs))
         return jax.jit(init, out_shardings=shardings)(rng, sample_inputs)
 
@@ -198,39 +211,30 @@ class PjitBackend(Backend):
     def _step_fn(self, param_specs, abstract_params):
         """The train step; `param_specs` are the params' PartitionSpecs (FSDP shards them)."""
         opts, model, task, mesh = self.options, self.model, self.task, self.mesh
-        reduce_dtype = jnp.dtype(opts.reduce_dtype)
-        # FSDP: params enter the per-device computation as shards, are gathered where
-        # the model uses them, and their gradients leave reduce-scattered, as shards.
-        gather = step_lib.fsdp_gather(param_specs, reduce_dtype) if opts.shard_params else None
-        param_in_specs = grad_specs = param_specs if opts.shard_params else P()
-        # ZeRO-1: gradients leave reduce-scattered, split as the optimizer state is,
-        # which is all the update needs; the updated params are all-gathered after it.
-        scatter_specs = None
-        if opts.shard_optimizer_state and not opts.shard_params and opts.reduction.kind == "flat":
-            scatter_specs = jax.tree.map(
-                lambda x: mesh_lib.sharded_over_data(tuple(x.shape), mesh.size), abstract_params)
-            grad_specs = scatter_specs
+        # ZeRO-1's optimizer state splits each param along one dimension (where it can).
+        optimizer_specs = jax.tree.map(
+            lambda x: mesh_lib.sharded_over_data(tuple(x.shape), mesh.size), abstract_params)
+        reducer = self.reducer(param_specs, optimizer_specs)
 
         def device_grads(params, model_state, batch, rng, step, residuals):
             return step_lib.device_gradients(
-                model, task, params, model_state, batch, step_lib.step_rng(rng, step),
-                accum_steps=opts.accum_steps, reduce_dtype=reduce_dtype,
-                reduction=opts.reduction, residuals=residuals, gather=gather,
-                scatter_specs=scatter_specs, device_preprocess=opts.device_preprocess)
+                model, task, params, model_state, batch, step_rng(rng, step),
+                accum_steps=opts.accum_steps, reducer=reducer, residuals=residuals,
+                device_preprocess=opts.device_preprocess)
 
         def train_step(state, batch):
             # check_vma=False gives pmap's semantics: the gradient of a replicated
-            # input stays per-device (no implicit psum), so device_gradients' one
+            # input stays per-device (no implicit psum), so the reducer's one
             # reduction is the only one, exactly as under pmap.
-            comm_specs = {name: RESIDUAL_SPECS[name] for name in state.comm}
-            grads, model_state, metrics, comm = jax.shard_map(
+            specs = residual_specs(state.residuals)
+            grads, model_state, metrics, residuals = jax.shard_map(
                 device_grads, mesh=mesh,
-                in_specs=(param_in_specs, P(), P(DATA_AXIS), P(), P(), comm_specs),
-                out_specs=(grad_specs, P(), P(), comm_specs),
+                in_specs=(reducer.param_specs(), P(), P(DATA_AXIS), P(), P(), specs),
+                out_specs=(reducer.grad_specs(), P(), P(), specs),
                 check_vma=False,
-            )(state.params, state.model_state, batch, state.rng, state.step, state.comm)
+            )(state.params, state.model_state, batch, state.rng, state.step, state.residuals)
             return step_lib.apply_gradients(self.tx, state, grads, model_state, metrics,
-                                            opts.learning_rate_fn, comm)
+                                            opts.learning_rate_fn, residuals)
 
         return train_step
 
@@ -263,16 +267,16 @@ class PmapBackend(Backend):
         self._stacked = NamedSharding(self.mesh, P(DATA_AXIS))
         opts, model, task = self.options, self.model, self.task
 
-        if opts.reduction.kind != "flat":
+        if opts.reduction != "flat":
             raise ValueError("the pmap backend reduces gradients flat; use the pjit backend "
-                             f"for a {opts.reduction.kind} reduction")
+                             f"for a {opts.reduction} reduction")
+        reducer = self.reducer()
 
         def train_step(state, batch):
             grads, model_state, metrics, _ = step_lib.device_gradients(
                 model, task, state.params, state.model_state, batch,
-                step_lib.step_rng(state.rng, state.step),
-                accum_steps=opts.accum_steps, reduce_dtype=jnp.dtype(opts.reduce_dtype),
-                device_preprocess=opts.device_preprocess)
+                step_rng(state.rng, state.step), accum_steps=opts.accum_steps,
+                reducer=reducer, device_preprocess=opts.device_preprocess)
             return step_lib.apply_gradients(self.tx, state, grads, model_state, metrics,
                                             opts.learning_rate_fn)
 
@@ -359,9 +363,10 @@ def _free_after(copy: jax.Array, source: jax.Array, free: bool) -> jax.Array:
     return copy
 
 
-BACKENDS = {"pjit": PjitBackend, "pmap": PmapBackend}
+_BACKENDS = {backend.name: backend for backend in (PjitBackend, PmapBackend)}
 
 
 def make_backend(name: str, mesh: Mesh, model: Model, task: Task,
                  tx: optax.GradientTransformation, options: StepOptions) -> Backend:
-    return BACKENDS[name](mesh, model, task, tx, options)
+    """The backend `name` (config.parallel.backend: its choices are these names)."""
+    return _BACKENDS[name](mesh, model, task, tx, options)

@@ -1,11 +1,10 @@
-"""How one optimizer step's gradients are summed over the devices (pjit backend).
+"""The two-level gradient reduction and its cross-host compression (pjit backend).
 
-The mesh is hosts x local devices (`jdp.mesh`); inside a host devices talk over
-a fast interconnect (NVLink, ICI), across hosts over a network 10-100x slower.
+The mesh is hosts x local devices (`jdp.parallel.mesh`); inside a host devices talk
+over a fast interconnect (NVLink, ICI), across hosts over a network 10-100x slower.
+A flat all-reduce runs as one ring (or tree) through all N devices, so every host
+link carries about 2(N-1)/N of the gradient bytes. Instead:
 
-- `flat`: one all-reduce over every device. XLA runs it as one ring (or tree)
-  through all N devices, so every host link carries about 2(N-1)/N of the
-  gradient bytes.
 - `two_level` (Horovod's hierarchical all-reduce, MaxText's ici/dcn axes): the
   gradients, flattened into one buffer, are reduce-scattered inside each host,
   each device's 1/L shard (L devices per host) is all-reduced across the H
@@ -22,7 +21,7 @@ a fast interconnect (NVLink, ICI), across hosts over a network 10-100x slower.
   loses is kept per device, for its shard and for the chunk it summed, and
   added to the next step's values before they are compressed, so the error of
   one step is paid back in the next rather than accumulated. The residuals are
-  part of the train state (`TrainState.comm`), checkpointed with it, so a
+  part of the train state (`TrainState.residuals`), checkpointed with it, so a
   resumed run continues bitwise.
 
 All of it runs inside the per-device gradient function under the named mesh
@@ -57,10 +56,9 @@ RESIDUAL_SPECS = {"shard": P(HOSTS_AXIS, LOCAL_AXIS), "chunk": P((LOCAL_AXIS, HO
 
 
 @dataclasses.dataclass(frozen=True)
-class Reduction:
-    """The gradient reduction of one step, over a mesh of `hosts` x `local` devices."""
+class TwoLevel:
+    """The two-level reduction of one step, over a mesh of `hosts` x `local` devices."""
 
-    kind: str = "flat"
     cross_host: str = "float32"
     error_feedback: bool = True
     hosts: int = 1
@@ -72,7 +70,7 @@ class Reduction:
 
     @property
     def keeps_residuals(self) -> bool:
-        return self.kind == "two_level" and self.compressed and self.error_feedback
+        return self.compressed and self.error_feedback
 
     def padded_size(self, size: int) -> int:
         """The flattened gradient's length, padded so that every device's chunk (1/N of
@@ -89,9 +87,7 @@ class Reduction:
         return {"shard": (self.hosts, padded), "chunk": (padded,)}
 
     def __call__(self, grads, residuals: dict):
-        """(summed gradients, new residuals) of the two-level reduction; runs on one device
-        under the mesh axes. (The flat reduction is one psum, which `device_gradients`
-        shares with the metric sums.)"""
+        """(summed gradients, new residuals); runs on one device under the mesh axes."""
         flat, unravel = jax.flatten_util.ravel_pytree(grads)
         size = flat.size
         flat = jnp.pad(flat, (0, self.padded_size(size) - size))
@@ -144,9 +140,6 @@ class Reduction:
             return values
         blocks = values.reshape(values.shape[0], -1, INT8_BLOCK)
         return (blocks * sent["scales"][..., None]).reshape(values.shape)
-
-
-FLAT = Reduction()  # one all-reduce of the gradients over the whole mesh
 
 
 def param_count(params) -> int:

@@ -25,7 +25,7 @@ import matplotlib
 matplotlib.use("Agg")  # before pyplot: reports are made on machines without a display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from jdp.exit_codes import BAD_CONFIG  # noqa: E402
+from jdp.runtime.exit_codes import BAD_CONFIG  # noqa: E402
 
 Record = dict[str, float]  # one step's values, "step" included
 
@@ -328,7 +328,3 @@ def main(argv: list[str] | None = None) -> int:
     print(format_text_table(*summary_table(runs)))
     print(f"wrote {len(paths) - 1} plots and {paths[-1]}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

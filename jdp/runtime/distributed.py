@@ -25,7 +25,8 @@ from collections.abc import Mapping
 
 import jax
 
-from jdp import jax_private, watchdog
+from jdp.errors import first_line
+from jdp.runtime import jax_private, watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +269,7 @@ def check_same_across_processes(values: dict[str, str], *, timeout_s: float = 60
         raise TimeoutError(
             f"Process {me}: not all {state.num_processes} processes reached the check that "
             f"their {', '.join(sorted(values))} agree within {timeout_s:g} s; a process is "
-            f"missing, stuck or crashed earlier (see its log). ({str(e).splitlines()[0]})"
+            f"missing, stuck or crashed earlier (see its log). ({first_line(e)})"
         ) from e
     by_process = {
         int(key.rsplit("/", 1)[1]): json.loads(value)

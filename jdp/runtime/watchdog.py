@@ -1,4 +1,4 @@
-"""The "never hang" guarantee (DESIGN.md invariant 7).
+"""The "never hang" guarantee: a dead or stuck process ends every other one with a report.
 
 A `Watchdog` watches this process's training-loop heartbeats and, in a
 multi-process job, every other process's, published through the key-value
@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from typing import NoReturn, Protocol
 
-from jdp import exit_codes, jax_private
+from jdp.runtime import exit_codes, jax_private
 
 # os.EX_TEMPFAIL: the job failed because a process or the coordinator went
 # missing or stuck; restarting (from the last checkpoint) may succeed.

@@ -1,0 +1,17 @@
+"""Checkpoints of a run, with Orbax: saved from every process, atomic, restored onto any
+topology.
+
+`checkpointer` owns the directory of one run (saves, cadence, retention, restore),
+`resume` decides the state a run starts from (its newest readable checkpoint, else a
+fresh one, optionally with another run's params: `init_from`) and whether a workdir
+may be resumed with this config, `layout` matches saved arrays against the model's.
+"""
+
+from jdp.checkpoint.checkpointer import Checkpointer, check_best_metric
+from jdp.checkpoint.init_from import load_params
+from jdp.checkpoint.layout import CheckpointError, CheckpointSaveError, DamagedCheckpointError
+
+CHECKPOINT_DIR = "checkpoints"  # inside the workdir
+
+__all__ = ["CHECKPOINT_DIR", "CheckpointError", "CheckpointSaveError", "Checkpointer",
+           "DamagedCheckpointError", "check_best_metric", "load_params"]

@@ -1,0 +1,56 @@
+"""Fine-tuning: only the params of another run's checkpoint (`checkpoint.init_from`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint.checkpoint_manager import DEFAULT_ITEM_NAME
+
+from jdp.checkpoint import layout
+from jdp.checkpoint.layout import CheckpointError, PyTree
+
+
+def load_params(path: str | os.PathLike, abstract_params: PyTree) -> PyTree:
+    """Only the params of a checkpoint (for fine-tuning), placed like `abstract_params`.
+
+    `path` is a checkpoint directory (its newest complete step is used) or one step
+    directory in it. Names and shapes must match the model's exactly.
+    """
+    item_dir = _params_item_dir(epath.Path(path))
+    saved = {name: shape for name, shape in layout.saved_shapes(item_dir).items()
+             if name.startswith("params/")}
+    target = {"params": abstract_params}
+    layout.check_matches(saved, layout.expected_shapes(target), item_dir)
+    args = ocp.args.PyTreeRestore(
+        item=target,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True,  # leave the optimizer state and the rest on disk
+    )
+    try:
+        with contextlib.closing(ocp.PyTreeCheckpointHandler()) as handler:
+            return handler.restore(item_dir, args=args)["params"]
+    except Exception as error:
+        raise layout.unreadable(item_dir, error) from error
+
+
+def _params_item_dir(path: epath.Path) -> epath.Path:
+    """The item directory of the step that `path` names, or of its newest complete step."""
+    if not path.exists():
+        raise CheckpointError(
+            f"Cannot load params: {path} does not exist. Point checkpoint.init_from at a "
+            "jdp checkpoint directory or one of its step directories."
+        )
+    if (path / DEFAULT_ITEM_NAME).is_dir() and ocp.step.is_path_finalized(path):
+        return path / DEFAULT_ITEM_NAME
+    steps = ocp.utils.checkpoint_steps(path)
+    if not steps:
+        raise CheckpointError(
+            f"Cannot load params: {path} holds no complete checkpoint. Point "
+            "checkpoint.init_from at a jdp checkpoint directory or one of its step directories."
+        )
+    return path / str(max(steps)) / DEFAULT_ITEM_NAME
+
+

@@ -1,0 +1,121 @@
+"""The framework's config keys, their defaults and the values each choice may take.
+
+Experiment files start from `defaults()` and add their own `model` section;
+every leaf can be overridden on the command line (`--config.KEY=VALUE`).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+BACKENDS = ("pjit", "pmap")
+COMPUTE_DTYPES = ("float32", "bfloat16")
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
+IN_MEMORY = ("auto", "true", "false")  # data.in_memory
+LR_SCALINGS = ("none", "linear", "sqrt")
+MESH_SHAPES = ("flat", "hybrid")
+REDUCTIONS = ("flat", "two_level")
+CROSS_HOST_REDUCE_DTYPES = ("float32", "bfloat16", "int8")
+
+
+def defaults() -> ml_collections.ConfigDict:
+    """The framework's config keys with their defaults; experiments override them."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.batch_size = 128  # global: all hosts and devices together
+    c.eval_batch_size = 0  # 0 = batch_size
+    c.total_steps = 1000
+    c.log_every_steps = 50
+    c.eval_every_steps = 0  # 0 = only at the end
+    c.learning_rate = 1e-3  # at base_batch_size; see lr_scaling
+    c.lr_scaling = "none"
+    c.base_batch_size = 128
+    c.warmup_steps = 50
+    c.weight_decay = 1e-4
+    c.grad_clip_norm = 0.0  # 0 = no clipping
+    c.label_smoothing = 0.0
+    c.grad_accum_steps = 1
+    c.compute_dtype = "float32"
+    c.remat = "none"
+    c.crash_on_nan = True  # stop when more steps than skip_nonfinite_steps are non-finite
+    c.skip_nonfinite_steps = 0  # non-finite updates to skip (and count) before stopping
+    c.tensorboard = True  # TensorBoard event files in <workdir>/tensorboard
+
+    c.profile = ml_collections.ConfigDict()
+    c.profile.start_step = 0  # a jax.profiler trace of steps start_step+1 .. +num_steps
+    c.profile.num_steps = 0  # 0 = no trace
+
+    # The data, when the experiment file defines no build_data(config): a TFDS
+    # dataset by name (the built-in `digits`, or any prepared in data_dir), or the
+    # user's own .npz / ArrayRecord files. Empty / 0 values come from the
+    # dataset's preset or its TFDS metadata.
+    c.data = ml_collections.ConfigDict()
+    c.data.name = "digits"  # a TFDS name; ignored when train_files is set
+    c.data.data_dir = ""  # "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
+    c.data.train_split = ""  # TFDS split with slicing, e.g. "train[:90%]"
+    c.data.eval_split = ""
+    c.data.train_files = ""  # globs of .npz or .array_record files (instead of TFDS)
+    c.data.eval_files = ""
+    c.data.image_key = "image"
+    c.data.label_key = "label"
+    c.data.num_classes = 0
+    c.data.image_size = 0  # model input height = width
+    c.data.mean = ()  # per channel, on the 0..1 scale
+    c.data.std = ()
+    c.data.augment = False
+    # Text for language models (jdp.data.text.lm), instead of images when text_files is
+    # set: a glob or comma-separated globs of .txt/.md/.py/.jsonl files, or "stdlib" (the
+    # Python standard library's own sources, on every machine).
+    c.data.text_files = ""
+    c.data.eval_text_files = ""  # held-out text; "" = eval_fraction of the documents
+    c.data.eval_fraction = 0.01
+    c.data.tokenizer = "bytes"  # or "sentencepiece:PATH", "hf:PATH" (a tokenizer.json)
+    c.data.token_dir = ""  # where the token store is kept; "" = <workdir>/tokens
+    c.data.rebuild_tokens = False  # replace a store made from other inputs
+    c.data.seq_len = 128  # tokens per training example (windows of seq_len + 1)
+    c.data.document_mask = True  # segment ids and positions: attention within a document
+    # "auto": a split is read into memory once and batched by vectorised numpy when its
+    # preprocessing has a batch form and its arrays take at most 1 GiB (else it streams
+    # through grain, example by example); "true": always (an error where it cannot);
+    # "false": never. The batches are the same either way.
+    c.data.in_memory = "auto"
+    c.data.num_threads = 4  # threads preparing batches in the trainer (num_workers=0)
+    # > 0: worker processes prepare the batches instead (CPU-heavy decoding, e.g. JPEG:
+    # threads share one GIL); the example stream is the same for any value. Neither
+    # applies to a split batched from memory.
+    c.data.num_workers = 0
+
+    c.parallel = ml_collections.ConfigDict()
+    c.parallel.backend = "pjit"
+    # The mesh is hosts x local devices. "flat" orders each host's devices by id,
+    # "hybrid" in their fast-interconnect order (create_hybrid_device_mesh).
+    c.parallel.mesh = "flat"
+    # Groups of devices that share a fast interconnect; 0 = one per process. More
+    # than the processes splits each process's devices into virtual hosts.
+    c.parallel.hosts = 0
+    c.parallel.shard_optimizer_state = False  # ZeRO-1 (pjit only)
+    c.parallel.shard_params = False  # FSDP-style params sharding (pjit only)
+    c.parallel.grad_reduce_dtype = "float32"
+    # "flat": one all-reduce over all devices; "two_level": reduce-scatter inside each
+    # host, all-reduce across hosts, all-gather inside (pjit only).
+    c.parallel.reduction = "flat"
+    # What crosses hosts in the two-level reduction: "float32", "bfloat16" or "int8"
+    # (per-block scales), the last two with error feedback (jdp/parallel/reduction.py).
+    c.parallel.cross_host_reduce = "float32"
+    c.parallel.error_feedback = True
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every_steps = 0  # 0 = only at the end
+    c.checkpoint.max_to_keep = 3
+    c.checkpoint["async"] = True
+    c.checkpoint.init_from = ""
+    c.checkpoint.keep_best = ""  # e.g. "eval/accuracy"
+    c.checkpoint.keep_best_mode = "max"
+
+    c.watchdog_timeout_s = 600.0
+    # Compiled programs are kept here across runs (jdp/compile_cache.py). "" =
+    # $JDP_COMPILE_CACHE_DIR, else $XDG_CACHE_HOME/jdp/compile_cache, else
+    # ~/.cache/jdp/compile_cache; "none" = no cache.
+    c.compile_cache_dir = ""
+    return c
+

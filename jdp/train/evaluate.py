@@ -1,0 +1,30 @@
+"""Evaluation: the task's loss and metrics over a whole split, each example once."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+
+from jdp.data.splits import EvalSplit
+from jdp.parallel.backends import Backend
+
+
+def evaluate(backend: Backend, state, split: EvalSplit, *, global_batch_size: int,
+             rows: slice, heartbeat=lambda: None) -> dict[str, float]:
+    """`eval/<name>` = sum(value * weight) / sum(weight) over the whole split (padding
+    masked out), and `eval/num_examples`."""
+    totals = None
+    batches = split.batches(global_batch_size=global_batch_size, rows=rows)
+    with contextlib.closing(batches):  # its workers stop also when the loop is left early
+        for local_batch in batches:
+            heartbeat()
+            sums = backend.eval_step(state, backend.put_batch(local_batch))
+            totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
+    sums, count = backend.fetch(totals)
+    means = {name: float(total) / float(weight) if weight else 0.0
+             for name, (total, weight) in sums.items()}
+    if backend.task.derived is not None:
+        means.update(backend.task.derived(means))
+    return {**{f"eval/{name}": value for name, value in means.items()},
+            "eval/num_examples": float(count)}
