@@ -1,0 +1,34 @@
+"""python -m jdp.sample --workdir=W --prompt="def " [--max_new_tokens=200 --temperature=0.8
+--top_k=40 --seed=0]: prints the prompt and the model's continuation (see jdp.sample)."""
+
+import argparse
+import sys
+
+from jdp.errors import ConfigError
+from jdp.runtime.exit_codes import BAD_CONFIG
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jdp.sample", description=__doc__)
+    parser.add_argument("--workdir", required=True, help="a training run's workdir")
+    parser.add_argument("--prompt", default="", help="text to continue")
+    parser.add_argument("--max_new_tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    parser.add_argument("--top_k", type=int, default=40, help="0: no cut-off")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    from jdp import sample
+
+    try:
+        sampler = sample.load(args.workdir)
+        text = sampler.continuation(args.prompt, max_new_tokens=args.max_new_tokens,
+                                    temperature=args.temperature, top_k=args.top_k,
+                                    seed=args.seed)
+    except ConfigError as e:
+        print(f"jdp.sample: error: {e}", file=sys.stderr)
+        return BAD_CONFIG
+    print(args.prompt + text)
+    return 0
+
+
+sys.exit(main())
