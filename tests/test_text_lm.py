@@ -41,7 +41,8 @@ def write_corpus(directory) -> str:
 
 
 def settings(corpus: str, **extra: str) -> tuple[str, ...]:
-    base = {"data.text_files": corpus, "data.eval_fraction": "0.3", "data.seq_len": "32",
+    base = {"data.text_files": corpus, "data.tokenizer": "bytes", "data.eval_fraction": "0.3",
+            "data.seq_len": "32",
             "model.size": "nano", "batch_size": "16", "eval_batch_size": "16",
             "total_steps": "12", "warmup_steps": "2", "log_every_steps": "3",
             "eval_every_steps": "0", "eval.sample_prompt": "", **extra}
