@@ -211,3 +211,13 @@ def test_a_record_without_integer_step_exits_2(tmp_path, capsys):
     workdir = _write_jsonl(tmp_path / "nostep", [{"train/loss": 1.0}])
     assert report.main([workdir]) == 2
     assert "integer 'step'" in capsys.readouterr().err
+
+
+def test_a_language_model_run_gets_its_token_throughput_and_bits_per_byte_panels():
+    records = [{"step": 10, "train/loss": 3.0, "train/tokens_per_s": 5000.0,
+                "train/tokens_per_s_per_device": 625.0, "train/loss_weight": 4096.0},
+               {"step": 10, "eval/loss": 3.1, "eval/bits_per_byte": 2.2, "eval/perplexity": 22.0}]
+    assert report.task_metrics(records) == ["bits_per_byte", "perplexity"]
+    titles = [panel.title for panel in report.panels_for({"lm": records})]
+    assert "throughput (real target tokens/s)" in titles and "bits_per_byte" in titles
+    assert "tokens_per_s" not in titles  # a system figure, not a task metric

@@ -35,7 +35,7 @@ _SYSTEM_METRICS = frozenset({
     "loss", "learning_rate", "grad_norm", "param_norm", "update_norm", "examples_per_s",
     "examples_per_s_per_device", "step_time_s", "data_wait_fraction",
     "tflops_per_s_per_device", "model_tflops_per_s_per_device", "mfu", "skipped_steps",
-    "num_examples"})
+    "num_examples", "loss_weight", "tokens_per_s", "tokens_per_s_per_device"})
 _FIGSIZE = (6, 3.5)
 _DPI = 100
 
@@ -223,6 +223,8 @@ def panels_for(runs: dict[str, list[Record]]) -> list[Panel]:
     candidates += [
         Panel("learning_rate.png", "learning rate", ("train/learning_rate",)),
         Panel("throughput.png", "throughput (examples/s)", ("train/examples_per_s",)),
+        Panel("tokens.png", "throughput (real target tokens/s)", ("train/tokens_per_s",)),
+        Panel("mfu.png", "model FLOPs utilisation", ("train/mfu",)),
         Panel("data_wait.png", "data-wait fraction", ("train/data_wait_fraction",)),
         Panel("step_time.png", "step time (s)", ("train/step_time_s",)),
     ]
