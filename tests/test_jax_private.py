@@ -23,7 +23,8 @@ def test_only_jax_private_imports_jax_src():
     offenders = {str(path.relative_to(PACKAGE)): _private_imports(path)
                  for path in PACKAGE.rglob("*.py") if path.name != "jax_private.py"}
     assert {path: mods for path, mods in offenders.items() if mods} == {}
-    assert _private_imports(PACKAGE / "runtime" / "jax_private.py")  # the one place, so the test bites
+    # The one place, so the test bites.
+    assert _private_imports(PACKAGE / "runtime" / "jax_private.py")
 
 
 def test_the_private_pieces_jdp_needs_are_there():
