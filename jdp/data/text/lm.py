@@ -16,7 +16,6 @@ scalar: the split's target tokens per byte of text, for bits per byte).
 from __future__ import annotations
 
 import os
-import time
 
 import jax
 import numpy as np
@@ -93,18 +92,9 @@ def _tokenizer(data_config, train_files: list[str], directory: str) -> tokenizer
         tokenizers.train_tokenizer(train_files, vocab_size=tokenizers.trained_vocab_size(spec),
                                    out=path, kind="bpe", field="data.tokenizer")
     elif not os.path.isfile(path):
-        _wait_for_file(path, WAIT_FOR_STORE_S)
+        store.wait_for_file(path, f"the tokenizer {path}", WAIT_FOR_STORE_S)
     return tokenizers.from_spec(spec, "data.tokenizer", directory)
 
-
-def _wait_for_file(path: str, timeout_s: float, poll_s: float = 1.0) -> None:
-    """For the processes that do not train the tokenizer (written whole by a rename)."""
-    deadline = time.monotonic() + timeout_s
-    while not os.path.isfile(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the tokenizer {path} did not appear within {timeout_s:g} s. "
-                               "Fix: check that process 0, which trains it, is running.")
-        time.sleep(poll_s)
 
 
 def tokenizer_vocab_size(data_config) -> int:

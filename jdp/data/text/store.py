@@ -207,14 +207,21 @@ def wait_for_store(directory: str, timeout_s: float = 600.0, poll_s: float = 1.0
     with it). TimeoutError (one line) after `timeout_s`.
     """
     directory = os.path.abspath(os.path.expanduser(directory))
-    deadline = time.monotonic() + timeout_s
-    while not os.path.isfile(os.path.join(directory, MANIFEST)):
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"token store {directory} did not appear within {timeout_s:g} s. "
-                               "Fix: check that the process preparing it is running and can "
-                               "write there, or allow a longer wait.")
-        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+    wait_for_file(os.path.join(directory, MANIFEST), f"token store {directory}", timeout_s,
+                  poll_s)
     return open_store(directory)
+
+
+def wait_for_file(path: str, what: str, timeout_s: float, poll_s: float = 1.0) -> None:
+    """Returns once `path` exists (another process writes it whole, by a rename);
+    TimeoutError (one line naming `what`) after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.isfile(path):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what} did not appear within {timeout_s:g} s. Fix: check that "
+                               "the process preparing it is running and can write there, or "
+                               "allow a longer wait.")
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 
 # --- What a store was made from ---------------------------------------------------------
