@@ -54,13 +54,34 @@ def test_tensorboard_scalars_equal_the_jsonl_values(windowed):
     assert compared > 20 and {"train/loss", "eval/accuracy"} <= tags
 
 
-def test_train_loss_is_the_mean_of_the_window(every_step, windowed):
-    per_step, window = losses(every_step[1]), losses(windowed[1])
+def test_train_metrics_are_means_of_the_window(every_step, windowed):
+    """The sums the step keeps give the mean of the per-step values, for every metric
+    the step reports (the loss, the task's metrics, the norms, the loss weight)."""
+    per_step = {r["step"]: r for r in every_step[1] if "train/loss" in r}
+    window = {r["step"]: r for r in windowed[1] if "train/loss" in r}
     assert sorted(window) == [5, 10]
-    np.testing.assert_allclose(window[5], np.mean([per_step[s] for s in range(1, 6)]), rtol=1e-6)
-    np.testing.assert_allclose(window[10], np.mean([per_step[s] for s in range(6, 11)]),
-                               rtol=1e-6)
-    assert window[5] != per_step[5]  # so the test can tell a window from its last step
+    keys = ("train/loss", "train/accuracy", "train/grad_norm", "train/param_norm",
+            "train/update_norm", "train/loss_weight")
+    for end in (5, 10):
+        for key in keys:
+            np.testing.assert_allclose(
+                window[end][key], np.mean([per_step[s][key] for s in range(end - 4, end + 1)]),
+                rtol=1e-6, err_msg=f"{key} at step {end}")
+    for key in ("train/loss", "train/grad_norm"):  # so the test tells a window from a step
+        assert window[5][key] != per_step[5][key], key
+
+
+def test_learning_rate_is_the_last_step_of_the_window(windowed):
+    """Not the window's mean: the value the window's last update used (warmup then
+    cosine decay, so every step's value differs)."""
+    config = load_config(VIT, *TINY)
+    lr = optim.learning_rate_fn(config)
+    logged = {r["step"]: r["train/learning_rate"] for r in windowed[1]
+              if "train/learning_rate" in r}
+    assert sorted(logged) == [5, 10]
+    for step, value in logged.items():
+        np.testing.assert_allclose(value, float(lr(step - 1)), rtol=1e-6)
+        assert value != pytest.approx(np.mean([float(lr(s)) for s in range(step - 5, step)]))
 
 
 def test_norms_and_learning_rate_come_from_the_step(every_step):

@@ -175,6 +175,40 @@ class Backend:
         for memory_analysis(), cost_analysis() and the optimised HLO."""
         return self.lowered_train_step(state, batch).compile(self.options.compiler_options)
 
+    def compiled_window_step(self, state, batch):
+        """The step the loop runs, compiled: `(state, batch, sums, reset) -> (state, sums)`,
+        the train step with the logging window's running sums added inside it
+        (`step.add_to_window`), so a step is one dispatch. Returns it with the window's
+        first inputs: zero sums and the `(reset, keep)` flags, in this backend's layout.
+
+        The sums are not donated: the host reads a closed window one step late, while
+        the next step is already running on it.
+        """
+        metrics = jax.eval_shape(self._step_fn_for(state), state, batch)[1]
+        sharding, flag_shape = self._window_layout()
+
+        def constant(value, shape, dtype) -> jax.Array:  # from the host: nothing to compile
+            host = np.full(shape, value, dtype)
+            return jax.make_array_from_callback(shape, sharding, lambda index: host[index])
+
+        sums = jax.tree.map(lambda m: constant(0, m.shape, m.dtype), metrics)
+        reset, keep = constant(True, flag_shape, bool), constant(False, flag_shape, bool)
+        compiled = self._window_fn_for(state).lower(state, batch, sums, reset).compile(
+            self.options.compiler_options)
+        return compiled, sums, (reset, keep)
+
+    def _step_fn_for(self, state) -> Callable:
+        """The jitted or pmapped train step for this state's layout."""
+        raise NotImplementedError
+
+    def _window_fn_for(self, state) -> Callable:
+        """The jitted or pmapped window step (`step.window_step`) for this state's layout."""
+        raise NotImplementedError
+
+    def _window_layout(self):
+        """(sharding, flag shape) of the window's sums and flags."""
+        raise NotImplementedError
+
     def compile_eval_step(self, state, batch) -> None:
         """Compiles the eval step for batches shaped like `batch` now, ahead of time."""
         self._compiled_eval_step = self._eval_step.lower(state, batch).compile()
@@ -242,13 +276,28 @@ class PjitBackend(Backend):
         if self._train_step is None:
             state_shardings = jax.tree.map(lambda x: x.sharding, state)
             param_specs = jax.tree.map(lambda sharding: sharding.spec, state_shardings.params)
+            batch_sharding = mesh_lib.batch_sharding(self.mesh)
+            replicated = mesh_lib.replicated(self.mesh)
             self._train_step = jax.jit(
                 self._step_fn(param_specs, state.params),
-                in_shardings=(state_shardings, mesh_lib.batch_sharding(self.mesh)),
-                out_shardings=(state_shardings, mesh_lib.replicated(self.mesh)),
-                donate_argnums=0,
-            )
+                in_shardings=(state_shardings, batch_sharding),
+                out_shardings=(state_shardings, replicated), donate_argnums=0)
+            # Calls the jitted step inside, so the two share one trace.
+            self._window_step = jax.jit(
+                step_lib.window_step(self._train_step),
+                in_shardings=(state_shardings, batch_sharding, replicated, replicated),
+                out_shardings=(state_shardings, replicated), donate_argnums=0)
         return self._train_step
+
+    def _step_fn_for(self, state):
+        return self._jitted(state)
+
+    def _window_fn_for(self, state):
+        self._jitted(state)
+        return self._window_step
+
+    def _window_layout(self):
+        return mesh_lib.replicated(self.mesh), ()
 
     def lowered_train_step(self, state, batch):
         return self._jitted(state).lower(state, batch)
@@ -287,8 +336,13 @@ class PmapBackend(Backend):
         # pmap is given every device of the mesh (all processes): its collectives then
         # span the whole job, while each process feeds and holds its local replicas.
         devices = list(self.mesh.devices.flat)
-        self._train_step = jax.pmap(_with_hosts_axis(train_step), axis_name=LOCAL_AXIS,
+        # One device's step, jitted: both pmaps call it, so they share one trace.
+        device_step = jax.jit(train_step)
+        self._train_step = jax.pmap(_with_hosts_axis(device_step), axis_name=LOCAL_AXIS,
                                     donate_argnums=0, devices=devices)
+        self._window_step = jax.pmap(
+            _with_hosts_axis(step_lib.window_step(device_step)), axis_name=LOCAL_AXIS,
+            donate_argnums=0, devices=devices)
         self._eval_step = jax.pmap(_with_hosts_axis(eval_step), axis_name=LOCAL_AXIS,
                                    devices=devices)
 
@@ -336,6 +390,15 @@ class PmapBackend(Backend):
 
     def lowered_train_step(self, state, batch):
         return self._train_step.lower(state, batch)
+
+    def _step_fn_for(self, state):
+        return self._train_step
+
+    def _window_fn_for(self, state):
+        return self._window_step
+
+    def _window_layout(self):
+        return self._stacked, (self.mesh.size,)
 
     def fetch(self, tree):
         # Every replica holds the same (reduced) value: read the first.

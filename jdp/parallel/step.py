@@ -102,6 +102,34 @@ def device_gradients(
 NONFINITE = "nonfinite"  # 1.0 when the loss or the gradients were not finite (update skipped)
 FIRST_NONFINITE_STEP = "first_nonfinite_step"  # summed over a window with min, not +
 LOSS_WEIGHT = "loss_weight"  # the step's total loss weight: examples, or real target tokens
+LEARNING_RATE = "learning_rate"  # a window reports its last step's, not a mean
+
+
+def add_to_window(sums: dict, metrics: dict, reset: jax.Array) -> dict:
+    """The logging window's running sums after one more step, inside the step.
+
+    Each metric is summed, except `FIRST_NONFINITE_STEP` (the minimum) and
+    `LEARNING_RATE` (the last value). `reset` (the step after a log step) starts a
+    new window from this step's values; the host divides by the window's length.
+    """
+    def combine(key, total, value):
+        if key == LEARNING_RATE:
+            return value
+        joined = jnp.minimum(total, value) if key == FIRST_NONFINITE_STEP else total + value
+        return jnp.where(reset, value, joined)
+
+    return {key: combine(key, sums[key], value) for key, value in metrics.items()}
+
+
+def window_step(step_fn: Callable) -> Callable:
+    """`step_fn(state, batch) -> (state, metrics)` as the loop runs it:
+    `(state, batch, sums, reset) -> (state, sums)`, one dispatch per step."""
+
+    def train_step(state, batch, sums, reset):
+        state, metrics = step_fn(state, batch)
+        return state, add_to_window(sums, metrics, reset)
+
+    return train_step
 
 
 def apply_gradients(tx: optax.GradientTransformation, state: TrainState, grads, model_state,
@@ -135,7 +163,7 @@ def apply_gradients(tx: optax.GradientTransformation, state: TrainState, grads, 
              NONFINITE: 1.0 - finite.astype(jnp.float32),
              FIRST_NONFINITE_STEP: jnp.where(finite, jnp.iinfo(jnp.int32).max, state.step + 1)}
     if learning_rate_fn is not None:
-        stats["learning_rate"] = jnp.asarray(learning_rate_fn(state.step), jnp.float32)
+        stats[LEARNING_RATE] = jnp.asarray(learning_rate_fn(state.step), jnp.float32)
     # The data position is the step: a skipped update still consumed its batch.
     return state.replace(step=state.step + 1), {**metrics, **stats}
 

@@ -238,7 +238,10 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, components:
             with clock.timed("data_wait"):
                 first_batch = next(batches)
             t0 = time.monotonic()
-            compiled = backend.compiled_train_step(live.state, first_batch)
+            compiled, window_sums, window_flags = backend.compiled_window_step(
+                live.state, first_batch)
+            window.begin(window_sums, window_flags)
+            del window_sums
             # The eval step too: compiling it at the first evaluation would stall the
             # loop (and the watchdog's heartbeats) for as long.
             backend.compile_eval_step(live.state, backend.put_batch(
@@ -258,8 +261,8 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, components:
             else:
                 batch = first_batch
             with profiler.annotate(step):
-                live.state, metrics = compiled(live.state, batch)
-            window.add(metrics)
+                live.state, metrics = compiled(live.state, batch, *window.inputs())
+            window.stepped(metrics)  # the window's running sums, this step's included
             done = step + 1
             # At most one step in flight behind this one: the device always has the next
             # step queued, and the host never races so far ahead that a dispatch blocks
