@@ -1,3 +1,4 @@
 """The process and the job: joining a multi-process job (`distributed`), never hanging
-(`watchdog`), preemption notices, exit statuses, the compilation cache, and the one
-module that touches jax's private modules (`jax_private`)."""
+(`watchdog`), preemption notices, exit statuses, the compilation cache, the GPU
+performance settings (`gpu_flags`), and the one module for jax's internals and the
+differences between jax versions (`jax_compat`)."""

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 import jax
 
 from jdp.errors import first_line
-from jdp.runtime import jax_private, watchdog
+from jdp.runtime import jax_compat, watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def _complete(
     return Launch(source, coordinator_address, num_processes, process_id)
 
 
-def _detect_cluster() -> type[jax_private.ClusterEnv] | None:
+def _detect_cluster() -> type[jax_compat.ClusterEnv] | None:
     """The cluster environment a bare `jax.distributed.initialize()` would use, if any.
 
     The same choice as jax's `ClusterEnv.auto_detect_unset_distributed_params`:
@@ -155,7 +155,7 @@ def _detect_cluster() -> type[jax_private.ClusterEnv] | None:
     return next(
         (
             env
-            for env in jax_private.cluster_types()
+            for env in jax_compat.cluster_types()
             if not env.opt_in_only_method and env.is_env_present()
         ),
         None,
@@ -206,7 +206,7 @@ def initialize(
         )
     finally:
         give_up.cancel()
-    state = jax_private.distributed_state()
+    state = jax_compat.distributed_state()
     logger.info(
         "Joined the job as process %d of %d via coordinator %s (%s).",
         state.process_id,
@@ -224,7 +224,7 @@ def initialize(
 
 def _join_failure(launch: Launch, timeout_s: float) -> str:
     """The message for a job not joined in time, from what jax had resolved so far."""
-    state = jax_private.distributed_state()
+    state = jax_compat.distributed_state()
     if state.coordinator_address is None:
         return (
             f"jdp: jax could not read the distributed settings from {launch.source} "
@@ -254,7 +254,7 @@ def check_same_across_processes(values: dict[str, str], *, timeout_s: float = 60
     so the cost stays small with many processes. Raises TimeoutError when not
     every process arrives within `timeout_s`. No-op for a single process.
     """
-    state = jax_private.distributed_state()
+    state = jax_compat.distributed_state()
     if state.client is None or state.num_processes == 1:
         return
     client, me = state.client, state.process_id

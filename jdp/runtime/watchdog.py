@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from typing import NoReturn, Protocol
 
-from jdp.runtime import exit_codes, jax_private
+from jdp.runtime import exit_codes, jax_compat
 
 # os.EX_TEMPFAIL: the job failed because a process or the coordinator went
 # missing or stuck; restarting (from the last checkpoint) may succeed.
@@ -121,7 +121,7 @@ class Watchdog:
     ):
         if timeout_s <= 0:
             raise ValueError(f"Watchdog timeout_s must be positive, got {timeout_s}.")
-        state = jax_private.distributed_state()  # the job as jax.distributed set it up
+        state = jax_compat.distributed_state()  # the job as jax.distributed set it up
         self.timeout_s = timeout_s
         self._clock = clock
         self._on_timeout = on_timeout or exit_now
