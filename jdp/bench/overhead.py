@@ -128,16 +128,20 @@ def _load(args):
     return config
 
 
-def _jdp_run(config, config_path: str) -> tuple[float, float, float]:
+def _jdp_run(config, config_path: str, workdir: str | None = None
+             ) -> tuple[float, float, float]:
     """(examples/s, fraction of the time spent waiting for input, last window's mean loss)
-    of one whole `jdp.main.run` in a new workdir, over the windows after the first."""
+    of one whole `jdp.main.run` in a new workdir (a temporary one unless given), over the
+    windows after the first."""
     from jdp import main as jdp_main
     from jdp.observe.writers import read_jsonl
 
-    with tempfile.TemporaryDirectory(prefix="jdp-bench-overhead-run-") as workdir:
-        jdp_main.run(config, config_path, workdir)
-        windows = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-                   if "train/examples_per_s" in r]
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="jdp-bench-overhead-run-") as scratch:
+            return _jdp_run(config, config_path, scratch)
+    jdp_main.run(config, config_path, workdir)
+    windows = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+               if "train/examples_per_s" in r]
     timed = windows[1:]  # the first window holds the warm-up
     steps = [b["step"] - a["step"] for a, b in zip(windows, timed, strict=False)]
     seconds = [n * w["train/step_time_s"] for n, w in zip(steps, timed, strict=True)]
