@@ -1,13 +1,15 @@
 """How long a checkpoint save stalls training: async against synchronous.
 
-    python -m jdp.bench checkpoint --model=small
+    python -m jdp.bench checkpoint --model=small [--directory=gs://BUCKET/PATH]
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import tempfile
 import time
+import uuid
 
 import jax
 import optax
@@ -17,10 +19,14 @@ from jdp.checkpoint import Checkpointer
 from jdp.experiment.task import classification
 from jdp.parallel import StepOptions, make_backend
 from jdp.parallel.mesh import make_mesh
+from jdp.runtime import storage
 
 
 def add_arguments(parser, name: str) -> None:
     steps.add_model_arguments(parser)
+    parser.add_argument("--directory", default="",
+                        help="save under this directory, e.g. gs://BUCKET/PATH (default: a "
+                             "local temporary directory)")
 
 
 def run(args) -> None:
@@ -34,7 +40,7 @@ def checkpoint(args) -> None:
     size_mib = sum(x.nbytes for x in jax.tree.leaves(state)) / 2**20
     stalls = {}
     for mode in ("async", "sync"):
-        with tempfile.TemporaryDirectory() as directory:
+        with _save_directory(args.directory) as directory:
             checkpointer = Checkpointer(directory, every_steps=1, max_to_keep=2,
                                         async_save=mode == "async")
             stalls[mode] = []
@@ -50,3 +56,13 @@ def checkpoint(args) -> None:
               f"over {args.repeats} saves")
     ratio = statistics.median(stalls["async"]) / statistics.median(stalls["sync"])
     print(f"checkpoint: async stall / synchronous stall = {ratio:.3f}")
+
+
+def _save_directory(parent: str):
+    """A fresh directory for one mode's saves: a temporary local one, or a new prefix
+    under `parent` (a bucket's objects are left there)."""
+    if not parent:
+        return tempfile.TemporaryDirectory()
+    storage.check_supported(parent, "--directory")
+    storage.configure()
+    return contextlib.nullcontext(storage.join(parent, f"bench-{uuid.uuid4().hex[:8]}"))

@@ -25,6 +25,7 @@ from orbax.checkpoint.checkpoint_manager import DEFAULT_ITEM_NAME
 from jdp.checkpoint import layout
 from jdp.checkpoint.layout import CheckpointError, CheckpointSaveError, PyTree
 from jdp.errors import ConfigError, first_line
+from jdp.runtime import storage
 
 # Orbax's replica-parallel saving splits every replicated array into one slice per
 # replica (to spread the writing over hosts) and dispatches a device slice op for
@@ -59,9 +60,10 @@ class Checkpointer:
     Atomicity comes from Orbax: a save is written to `<step>.orbax-checkpoint-tmp` and
     renamed to `<step>` by process 0 once every process has written its shards, so a
     killed job leaves only a tmp directory, which is never listed and which the next
-    Checkpointer on the directory removes. Old checkpoints are deleted only after the
-    newer one is committed (Orbax runs deletion after the commit, and skips it if the
-    save failed).
+    Checkpointer on the directory removes. In a gs:// bucket, which cannot rename, a step
+    counts once process 0 has written its `commit_success.txt` (Orbax's commit file).
+    Old checkpoints are deleted only after the newer one is committed (Orbax runs deletion
+    after the commit, and skips it if the save failed).
     """
 
     def __init__(
@@ -100,7 +102,8 @@ class Checkpointer:
             # Process 0 lists the steps and broadcasts them, so all processes agree.
             single_host_load_and_broadcast=True,
         )
-        self._manager = ocp.CheckpointManager(epath.Path(directory), options=options)
+        self._manager = ocp.CheckpointManager(epath.Path(storage.absolute(directory)),
+                                              options=options)
 
     def due(self, step: int) -> bool:
         """Whether `step` is one of this checkpointer's periodic saves."""

@@ -5,7 +5,6 @@ this config."""
 from __future__ import annotations
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,7 @@ from jdp.checkpoint.init_from import load_params
 from jdp.checkpoint.layout import DamagedCheckpointError
 from jdp.config import resume_differences
 from jdp.errors import ConfigError
-from jdp.runtime import distributed
+from jdp.runtime import distributed, storage
 
 
 def initial_state(backend, checkpointer: Checkpointer, rng, sample_inputs, init_from: str):
@@ -50,8 +49,8 @@ def initial_state(backend, checkpointer: Checkpointer, rng, sample_inputs, init_
     state = backend.init_global(rng, sample_inputs)
     if init_from:
         # A run's workdir stands for its newest checkpoint.
-        if os.path.isdir(os.path.join(init_from, CHECKPOINT_DIR)):
-            init_from = os.path.join(init_from, CHECKPOINT_DIR)
+        if storage.isdir(storage.join(init_from, CHECKPOINT_DIR)):
+            init_from = storage.join(init_from, CHECKPOINT_DIR)
         logging.info("initialising params from %s", init_from)
         state = state.replace(params=load_params(init_from, backend.abstract_state(
             rng, sample_inputs).params))
@@ -60,11 +59,11 @@ def initial_state(backend, checkpointer: Checkpointer, rng, sample_inputs, init_
 
 def check_resumable(workdir: str, config: dict) -> None:
     """A workdir with checkpoints resumes; it must hold a run of the same config."""
-    saved_path = os.path.join(workdir, "config.json")
-    checkpoints = os.path.join(workdir, CHECKPOINT_DIR)
-    if not (os.path.isdir(checkpoints) and os.path.exists(saved_path)):
+    saved_path = storage.join(workdir, "config.json")
+    checkpoints = storage.join(workdir, CHECKPOINT_DIR)
+    if not (storage.isdir(checkpoints) and storage.exists(saved_path)):
         return
-    with open(saved_path) as f:
+    with storage.open_file(saved_path) as f:
         saved = json.load(f)
     differences = resume_differences(saved, config)
     if saved.get("total_steps") not in (None, config["total_steps"]):

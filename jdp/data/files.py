@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import glob
+import io
 import itertools
 import operator
 import os
@@ -24,6 +24,7 @@ from array_record.python import array_record_data_source, array_record_module
 from flax import serialization
 
 from jdp.errors import ConfigError, first_line
+from jdp.runtime import storage
 
 Example = dict[str, np.ndarray]
 
@@ -74,7 +75,12 @@ def _check_same_features(paths: Sequence[str], names: Sequence[tuple[str, ...]])
 def _load_npz(path: str) -> dict[str, np.ndarray]:
     """All arrays of one archive; npz members cannot be memory-mapped, so they are read once."""
     try:
-        loaded = np.load(path, allow_pickle=False)
+        if storage.is_bucket(path):  # read whole: npz members are read once anyway
+            with storage.open_file(path, "rb") as f:
+                path_or_bytes = io.BytesIO(f.read())
+        else:
+            path_or_bytes = path
+        loaded = np.load(path_or_bytes, allow_pickle=False)
         if not isinstance(loaded, np.lib.npyio.NpzFile):
             raise ValueError(f"it holds a single {type(loaded).__name__}, not an npz archive")
         with loaded:
@@ -190,7 +196,8 @@ class ArrayRecordSource(_FileSource):
     kind = "ArrayRecord"
 
     def __init__(self, paths: Sequence[str]):
-        super().__init__(paths)
+        # array_record reads local files only: bucket files are read from a local copy.
+        super().__init__([storage.local_copy(p) if storage.is_bucket(p) else p for p in paths])
         counts, names = {}, {}
         for path in self.paths:
             counts[path], names[path] = _inspect_array_record(path)
@@ -266,10 +273,10 @@ def _kind(path: str) -> str | None:
 
 
 def _expand(pattern: str) -> list[str]:
-    """Files matching a glob or a comma-separated list of globs, sorted, each once."""
+    """Files matching a glob or a comma-separated list of globs (gs:// ones too), sorted,
+    each once."""
     globs = [part.strip() for part in pattern.split(",") if part.strip()]
-    matches = {path for g in globs for path in glob.glob(os.path.expanduser(g), recursive=True)}
-    return sorted(path for path in matches if os.path.isfile(path))
+    return sorted({path for g in globs for path in storage.glob(g)})
 
 
 def open_files(pattern: str, *, field: str) -> NpzSource | ArrayRecordSource:
@@ -279,6 +286,9 @@ def open_files(pattern: str, *, field: str) -> NpzSource | ArrayRecordSource:
     raises `ConfigError` naming `field` (e.g. "config.data.train_files"), the pattern and the fix.
     """
     prefix = f"{field}={pattern!r}"
+    for part in pattern.split(","):
+        storage.check_supported(part.strip(), field)
+    storage.configure()
     paths = _expand(pattern)
     if not paths:
         raise ConfigError(f"{prefix}: no file matches. Fix: pass a glob that matches .npz or "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 from jdp.errors import ConfigError, first_line
+from jdp.runtime import storage
 
 
 def resolve_data_dir(data_dir: str) -> str:
@@ -20,8 +21,14 @@ def resolve_data_dir(data_dir: str) -> str:
 
 
 def builder(name: str, data_dir: str):
-    """The prepared TFDS builder of `name` (digits is built here on first use)."""
+    """The prepared TFDS builder of `name` (digits is built here on first use). A gs://
+    data_dir is read from a local copy of the dataset, made once (array_record, under
+    `as_data_source`, reads local files only)."""
     import tensorflow_datasets as tfds
+
+    storage.check_supported(data_dir, "config.data.data_dir")
+    if storage.is_bucket(data_dir):
+        data_dir = _local_data_dir(name, data_dir)
 
     if name == "digits":
         from jdp.data import digits
@@ -51,6 +58,14 @@ def builder(name: str, data_dir: str):
             f"but random access needs array_record. Fix: rebuild it with "
             f"`tfds build {name} --data_dir={data_dir} --file_format=array_record`.")
     return found
+
+
+def _local_data_dir(name: str, data_dir: str) -> str:
+    storage.configure()
+    dataset_dir = storage.join(data_dir, name.split("/")[0].split(":")[0])
+    if not storage.isdir(dataset_dir):
+        return data_dir  # builder() reports it as not prepared there
+    return os.path.dirname(storage.local_copy(dataset_dir))
 
 
 def check_features(found, field_keys: dict[str, str]) -> None:

@@ -7,9 +7,13 @@ plugin or Perfetto. Off by default (num_steps = 0).
 from __future__ import annotations
 
 import contextlib
+import shutil
+import tempfile
 
 import jax
 from absl import logging
+
+from jdp.runtime import storage
 
 
 class StepProfiler:
@@ -20,12 +24,17 @@ class StepProfiler:
         self.stop_step = start_step + num_steps
         self.enabled = num_steps > 0
         self.logdir = logdir
+        self._local_dir = logdir  # where jax writes the trace
         self.active = False
 
     def before(self, step: int) -> None:
         """Called before dispatching step `step` (0-based: the step count so far)."""
         if self.enabled and step == self.start_step and not self.active:
-            jax.profiler.start_trace(self.logdir)
+            # jax's own gs:// writer ignores the emulator and credentials jdp configures:
+            # a bucket's trace is written locally and copied up when it stops.
+            self._local_dir = (tempfile.mkdtemp(prefix="jdp-profile-")
+                               if storage.is_bucket(self.logdir) else self.logdir)
+            jax.profiler.start_trace(self._local_dir)
             self.active = True
             logging.info("profiling steps %d to %d into %s", self.start_step + 1,
                          self.stop_step, self.logdir)
@@ -46,3 +55,6 @@ class StepProfiler:
         if self.active:
             jax.profiler.stop_trace()
             self.active = False
+            if self._local_dir != self.logdir:
+                storage.upload(self._local_dir, self.logdir)
+                shutil.rmtree(self._local_dir, ignore_errors=True)

@@ -31,10 +31,18 @@ def resolve_dir(value: str, environ: Mapping[str, str] = os.environ) -> str | No
     """The cache directory config.compile_cache_dir names; None when it is 'none' (off).
 
     "" picks $JDP_COMPILE_CACHE_DIR, else $XDG_CACHE_HOME/jdp/compile_cache, else
-    ~/.cache/jdp/compile_cache.
+    ~/.cache/jdp/compile_cache. The cache stays on a local disk: a bucket URL warns and
+    falls back to the local default (every compile would read and write the bucket).
     """
     if value.strip().lower() == OFF:
         return None
+    if "://" in value:
+        fallback = resolve_dir("", {k: v for k, v in environ.items()
+                                    if k != "JDP_COMPILE_CACHE_DIR" or "://" not in v})
+        logging.warning("compilation cache: %r is not a local directory; using %s instead. "
+                        "Fix: set config.compile_cache_dir (or $JDP_COMPILE_CACHE_DIR) to a "
+                        "local directory", value, fallback)
+        return fallback
     if value:
         return os.path.abspath(os.path.expanduser(value))
     if environ.get("JDP_COMPILE_CACHE_DIR"):

@@ -33,6 +33,7 @@ from jdp.parallel import mesh as mesh_lib
 from jdp.parallel.factory import build_backend
 from jdp.parallel.state import TrainState
 from jdp.parallel.step import LOSS_WEIGHT, NONFINITE
+from jdp.runtime import storage
 from jdp.runtime.preemption import PreemptionNotice
 from jdp.runtime.watchdog import Watchdog
 from jdp.train import actions
@@ -160,7 +161,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, components:
     backend = build_backend(config, mesh, components,
                             experiment.build_optimizer(config, learning_rate))
     checkpointer = Checkpointer(
-        os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR),
+        storage.join(workdir, CHECKPOINT_DIR),  # the Checkpointer makes a local path absolute
         every_steps=config.checkpoint.every_steps, max_to_keep=config.checkpoint.max_to_keep,
         async_save=config.checkpoint["async"], best_metric=config.checkpoint.keep_best or None,
         best_mode=config.checkpoint.keep_best_mode)

