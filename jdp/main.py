@@ -23,7 +23,7 @@ from jdp.checkpoint.resume import check_resumable
 from jdp.errors import ConfigError
 from jdp.experiment import components as components_lib
 from jdp.experiment import loader
-from jdp.runtime import compile_cache, distributed, exit_codes
+from jdp.runtime import compile_cache, distributed, exit_codes, gpu_flags, storage
 from jdp.runtime.preemption import Preempted
 from jdp.train import loop
 from jdp.train.hooks import HookError
@@ -69,7 +69,10 @@ class UsageError(Exception):
 
 
 def _make_workdir(workdir: str) -> None:
-    """Creates the workdir, the last check before anything is written into it."""
+    """Creates the workdir, the last check before anything is written into it (a bucket
+    needs no directories; `storage.check_writable` checked it at start)."""
+    if storage.is_bucket(workdir):
+        return
     try:
         os.makedirs(workdir, exist_ok=True)
         probe = os.path.join(workdir, ".jdp_write_test")
@@ -85,6 +88,10 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
         device_memory_gib: float | None = None, step_time_s: float | None = None):
     """Everything after flag parsing; tests call this directly. Returns a loop.TrainResult,
     or with `dry_run` the `preflight.Preflight` plan (nothing trained or written)."""
+    storage.check_supported(workdir, "--workdir")
+    if config.checkpoint.init_from:
+        storage.check_supported(config.checkpoint.init_from, "config.checkpoint.init_from")
+    storage.configure()  # before any GCS client is imported
     experiment = loader.load(config_path)
     device_count = jax.device_count() if devices is None else len(devices)
     split = config_lib.validate(config, device_count, jax.process_count())
@@ -93,6 +100,8 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
     config_json = config.to_json_best_effort(indent=2, sort_keys=True)
     distributed.check_same_across_processes(
         {"config": config_json, "jdp": jdp.__version__, "jax": jax.__version__})
+    if storage.is_bucket(workdir) and not dry_run:  # before reading it: the bucket exists
+        storage.check_writable(workdir)
     check_resumable(workdir, json.loads(config_json))
     # The data, task and model, checked (text data prepares its token store here).
     components = components_lib.build(experiment, config, workdir=workdir)
@@ -113,9 +122,9 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
 
     if jax.process_index() == 0:
         _make_workdir(workdir)
-        with open(os.path.join(workdir, "config.json"), "w") as f:
+        with storage.open_file(storage.join(workdir, "config.json"), "w") as f:
             f.write(config_json + "\n")
-        with open(os.path.join(workdir, "run.json"), "w") as f:  # for jdp.sample
+        with storage.open_file(storage.join(workdir, "run.json"), "w") as f:  # for jdp.sample
             json.dump({"experiment_file": os.path.abspath(config_path)}, f)
     return loop.train_and_evaluate(config, workdir, experiment, components, split, devices,
                                    hooks)
@@ -160,6 +169,11 @@ def main(argv) -> None:
         _fail("--workdir is required. Fix: pass --workdir=DIR (created if missing).")
     console = _ConsoleFilter()
     logging.get_absl_handler().addFilter(console)
+    if "gpu" in _CONFIG.value:
+        try:  # before anything starts jax's backends, which read them once
+            gpu_flags.apply(_CONFIG.value.gpu)
+        except ConfigError as e:
+            _fail(str(e))
     try:
         distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                                timeout_s=_DISTRIBUTED_TIMEOUT.value)

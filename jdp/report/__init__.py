@@ -4,8 +4,10 @@
 
 Writes one PNG per panel (every run overlaid) and `index.html` into --out (default: the first
 workdir's `report/`), and prints one summary row per run: final eval metrics, median
-examples/s, wall time and the phase that took the most time. The computations are pure
-functions of a run's records, so tests can check them without files.
+examples/s, wall time and the phase that took the most time. A run with a profile window
+(`profile.num_steps`) also gets its step time split from the trace: compute, collectives
+(exposed, and how much overlapped compute), host/input wait and idle. The computations are
+pure functions of a run's records, so tests can check them without files.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ import matplotlib
 matplotlib.use("Agg")  # before pyplot: reports are made on machines without a display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from jdp.observe import trace_phases  # noqa: E402
+from jdp.observe.writers import metrics_lines  # noqa: E402
+from jdp.runtime import storage  # noqa: E402
 from jdp.runtime.exit_codes import BAD_CONFIG  # noqa: E402
 
 Record = dict[str, float]  # one step's values, "step" included
@@ -78,16 +83,16 @@ def _unfinished(line: str, is_last: bool) -> bool:
 
 
 def read_records(workdir: str) -> list[Record]:
-    """The records of a workdir's metrics.jsonl; ReportError if it is missing or not JSON lines."""
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        raise ReportError(f"{path} not found; pass the workdir of a training run "
-                          "(the directory that holds metrics.jsonl)")
+    """The records of a workdir's metrics (metrics.jsonl, or its chunks in a bucket);
+    ReportError if they are missing or not JSON lines."""
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
+        path, lines = metrics_lines(workdir)
+    except (FileNotFoundError, IsADirectoryError) as e:
+        raise ReportError(f"{e.filename or e} not found; pass the workdir of a training run "
+                          "(the directory that holds metrics.jsonl)") from None
     except UnicodeDecodeError:
-        raise ReportError(f"{path} is not text; expected one JSON object per line") from None
+        raise ReportError(f"{workdir}'s metrics are not text; expected one JSON object per "
+                          "line") from None
     return parse_records(lines, path)
 
 
@@ -202,6 +207,25 @@ def format_text_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def profile_phases(workdir: str) -> trace_phases.PhaseSplit | None:
+    """The step-time split of the run's profile window; None when it traced none."""
+    path = trace_phases.latest_trace(os.path.join(workdir, "profile"))
+    return None if path is None else trace_phases.split_file(path)
+
+
+def profile_table(splits: dict[str, trace_phases.PhaseSplit]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows: per run, ms per traced step and each phase's share of it."""
+    phases = ["compute", "collectives (exposed)", "host/input wait", "idle"]
+    header = ["run", "ms/step (traced)", *phases, "collectives overlapped"]
+    rows = []
+    for name, result in splits.items():
+        overlap = result.overlap_fraction()
+        rows.append([name, f"{result.step_time_s * 1e3:.1f}",
+                     *[f"{result.shares()[phase]:.0%}" for phase in phases],
+                     "" if overlap is None else f"{overlap:.0%}"])
+    return header, rows
+
+
 # -- Plots -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -272,14 +296,15 @@ def html_table(header: list[str], rows: list[list[str]]) -> str:
     return f"<table>\n<tr>{head}</tr>\n{body}</table>"
 
 
-def index_html(header: list[str], rows: list[list[str]], panels: list[Panel]) -> str:
+def index_html(header: list[str], rows: list[list[str]], panels: list[Panel],
+               after_summary: str = "") -> str:
     figures = "".join(f'<h2>{html.escape(p.title)}</h2>\n'
                       f'<img src="{html.escape(p.filename)}" alt="{html.escape(p.title)}">\n'
                       for p in panels)
     return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>jdp report</title>\n"
             "<style>body{font-family:sans-serif} td,th{padding:2px 8px;text-align:left}"
             "</style></head>\n<body>\n<h1>Summary</h1>\n"
-            f"{html_table(header, rows)}\n{figures}</body></html>\n")
+            f"{html_table(header, rows)}\n{after_summary}{figures}</body></html>\n")
 
 
 # -- Command line ------------------------------------------------------------------------------
@@ -290,7 +315,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("workdirs", nargs="+", metavar="WORKDIR",
                         help="a training run's workdir (holds metrics.jsonl)")
     parser.add_argument("--out", help="where to write the report (default: WORKDIR/report "
-                                      "of the first workdir)")
+                                      "of the first workdir; ./report for a gs:// one)")
     parser.add_argument("--names", nargs="+", metavar="NAME",
                         help="one name per workdir (default: the workdirs' base names)")
     args = parser.parse_args(argv)
@@ -300,8 +325,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def write_report(runs: dict[str, list[Record]], out_dir: str) -> list[str]:
-    """Writes the PNGs and index.html into out_dir; returns the paths written."""
+def write_report(runs: dict[str, list[Record]], out_dir: str,
+                 splits: dict[str, trace_phases.PhaseSplit] | None = None) -> list[str]:
+    """Writes the PNGs and index.html into out_dir; returns the paths written. `splits`:
+    the profile windows' step-time splits, by run name."""
     os.makedirs(out_dir, exist_ok=True)
     panels = panels_for(runs)
     paths = []
@@ -310,13 +337,21 @@ def write_report(runs: dict[str, list[Record]], out_dir: str) -> list[str]:
         plot_panel(panel, runs, paths[-1])
     header, rows = summary_table(runs)
     paths.append(os.path.join(out_dir, "index.html"))
+    profile = (f"<h1>Step time from the profile</h1>\n{html_table(*profile_table(splits))}\n"
+               if splits else "")
     with open(paths[-1], "w") as f:
-        f.write(index_html(header, rows, panels))
+        f.write(index_html(header, rows, panels, profile))
     return paths
+
+
+def _default_out(workdir: str) -> str:
+    # The plots are written with local files; a bucket run's report goes to ./report.
+    return "report" if storage.is_bucket(workdir) else os.path.join(workdir, "report")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    storage.configure()  # before any GCS client is imported
     default_names = [os.path.basename(os.path.normpath(w)) for w in args.workdirs]
     names = unique_names(args.names or default_names)
     try:
@@ -325,8 +360,20 @@ def main(argv: list[str] | None = None) -> int:
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return BAD_CONFIG
-    out_dir = args.out or os.path.join(args.workdirs[0], "report")
-    paths = write_report(runs, out_dir)
+    splits = {}
+    for name, workdir in zip(names, args.workdirs, strict=True):
+        try:
+            split = profile_phases(workdir)
+        except trace_phases.TraceError as e:
+            print(f"warning: no step-time split for {name}: {e}", file=sys.stderr)
+            continue
+        if split is not None:
+            splits[name] = split
+    out_dir = args.out or _default_out(args.workdirs[0])
+    paths = write_report(runs, out_dir, splits)
     print(format_text_table(*summary_table(runs)))
+    if splits:
+        print("\nstep time from the profile window:")
+        print(format_text_table(*profile_table(splits)))
     print(f"wrote {len(paths) - 1} plots and {paths[-1]}", file=sys.stderr)
     return 0
