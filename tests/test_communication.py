@@ -1,6 +1,7 @@
-"""The two-level gradient reduction and compressed cross-host reduction, on 8 devices
-split into 2 virtual hosts of 4: the collectives XLA compiles (groups, bytes), the
-trajectory against the flat reduction, error feedback, and resume."""
+"""The two-level gradient reduction, compressed cross-host reduction and hybrid
+sharding (FSDP / ZeRO-1 inside hosts), on 8 devices split into 2 virtual hosts of 4:
+the collectives XLA compiles (groups, bytes), the memory per device, the trajectory
+against the flat reduction, error feedback, and resume."""
 
 import shutil
 
@@ -214,6 +215,14 @@ def test_a_resume_on_another_topology_starts_the_residuals_at_zero(tmp_path, cap
     (("--config.parallel.reduction=two_level", "--config.parallel.shard_params=true"),
      "parallel.reduction"),
     (("--config.parallel.hosts=3",), "parallel.hosts"),
+    (("--config.parallel.shard_params=host",), "parallel.shard_params"),  # one host
+    (("--config.parallel.shard_optimizer_state=host",), "parallel.shard_optimizer_state"),
+    (("--config.parallel.shard_params=host", "--config.parallel.hosts=2",
+      "--config.parallel.backend=pmap"), "parallel.shard_params"),
+    (("--config.parallel.shard_params=host", "--config.parallel.hosts=3"), "parallel.hosts"),
+    (("--config.parallel.shard_params=host", "--config.parallel.hosts=2",
+      "--config.parallel.shard_optimizer_state=true"), "parallel.shard_optimizer_state"),
+    (("--config.parallel.shard_params=hosts",), "parallel.shard_params"),  # a typo
 ])
 def test_bad_combinations_fail_at_start_naming_the_field(overrides, field):
     config = load_config(VIT, *overrides)
@@ -222,3 +231,104 @@ def test_bad_combinations_fail_at_start_naming_the_field(overrides, field):
     message = str(error.value)
     assert message.startswith(f"config.{field}=") and "Fix:" in message
     assert "\n" not in message
+
+
+# -- Hybrid sharding: FSDP or ZeRO-1 inside each host, data parallel across hosts -----
+
+HYBRID = {"fsdp": ("--config.parallel.hosts=2", "--config.parallel.shard_params=host"),
+          "zero1": ("--config.parallel.hosts=2", "--config.parallel.shard_optimizer_state=host")}
+
+
+def _host_part_bytes(params, local=4) -> int:
+    """What one device holds of `params` when each leaf is split over the host's
+    `local` devices where the sharding rule can split it (else held whole)."""
+    from jdp.parallel.mesh import sharded_over_data
+    from jdp.parallel.reducers import split_dim
+
+    return sum(leaf.size * 4 // (local if split_dim(sharded_over_data(leaf.shape, local, "l"))
+                                 is not None else 1) for leaf in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "zero1"])
+def test_hybrid_sharding_gathers_and_scatters_inside_hosts_and_reduces_across_once(mode):
+    """Per optimizer step (4 accumulated micro-batches): no all-gather or
+    reduce-scatter spans hosts, and exactly one gradient reduction crosses them,
+    carrying one device's 1/L part."""
+    backend, state, batch = prepared_step(VIT, *HYBRID[mode], "--config.grad_accum_steps=4")
+    ops = hlo.collectives(backend.compiled_train_step(state, batch).as_text())
+    gathers = [op for op in ops if op.kind in ("all-gather", "reduce-scatter")]
+    assert gathers and {op.replica_groups for op in gathers} == {IN_HOST}, gathers
+    across = [op for op in ops if op.traffic(HOST_OF).cross_host_bytes and op.bytes > 64]
+    assert [(op.kind, op.replica_groups) for op in across] == [("all-reduce", ACROSS)], across
+    assert "gradient_all_reduce" in across[0].op_name
+    assert across[0].bytes == _host_part_bytes(state.params)
+    grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(state.params))
+    assert across[0].bytes < 0.26 * grad_bytes  # 1/4, and the few leaves held whole
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "zero1"])
+def test_hybrid_sharding_holds_a_host_share_of_the_state_per_device(mode):
+    _, state, _ = prepared_step(VIT, *HYBRID[mode])
+    _, replicated, _ = prepared_step(VIT)
+
+    def device_bytes(tree):  # what device 0 holds
+        return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+
+    opt_leaves = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]  # not the count
+    expected_opt = 2 * _host_part_bytes(state.params)  # Adam's two moments
+    assert sum(leaf.addressable_shards[0].data.nbytes for leaf in opt_leaves) == expected_opt
+    assert device_bytes(state.opt_state) < 0.26 * device_bytes(replicated.opt_state)
+    if mode == "fsdp":
+        assert device_bytes(state.params) == _host_part_bytes(state.params)
+        assert device_bytes(state.params) < 0.26 * device_bytes(replicated.params)
+    else:
+        assert device_bytes(state.params) == device_bytes(replicated.params)
+    # Replicated across hosts: device 4 (the other host) holds what device 0 holds.
+    for leaf in jax.tree.leaves(state.opt_state):
+        shards = {shard.device.id: shard.index for shard in leaf.addressable_shards}
+        assert shards[0] == shards[4]
+
+
+@pytest.fixture(scope="module")
+def fsdp_host_run(tmp_path_factory):
+    """FSDP inside hosts, 12 steps with a checkpoint at 6."""
+    workdir = tmp_path_factory.mktemp("fsdp_host")
+    return (*train(VIT, workdir, *STEPS, *HYBRID["fsdp"], "--config.checkpoint.every_steps=6"),
+            workdir)
+
+
+def test_hybrid_fsdp_follows_the_flat_trajectory(flat_run, fsdp_host_run):
+    assert_same_trajectory(fsdp_host_run[:2], flat_run)
+
+
+def test_hybrid_zero1_with_accumulation_follows_the_flat_trajectory(flat_run, tmp_path):
+    assert_same_trajectory(
+        train(VIT, tmp_path, *STEPS, *HYBRID["zero1"], "--config.grad_accum_steps=4"), flat_run)
+
+
+def test_a_hybrid_checkpoint_resumes_replicated_on_one_host(flat_run, fsdp_host_run, tmp_path):
+    """Saved sharded inside 2 hosts, restored replicated on one: the same trajectory.
+    (The reverse, replicated to hybrid across two processes: test_multihost.py.)"""
+    saved_dir = fsdp_host_run[2]
+    shutil.copytree(saved_dir / "checkpoints" / "6", tmp_path / "checkpoints" / "6")
+    shutil.copy(saved_dir / "config.json", tmp_path / "config.json")
+    resumed = train(VIT, tmp_path, *STEPS)
+    after_six = (flat_run[0], [r for r in flat_run[1] if r["step"] > 6])
+    assert_same_trajectory(resumed, after_six, logged_steps=(9, 12))
+
+
+def test_a_compressed_hybrid_run_resumes_bitwise_with_its_residuals(tmp_path):
+    settings = (*STEPS, *HYBRID["fsdp"], "--config.parallel.cross_host_reduce=int8",
+                "--config.checkpoint.every_steps=6")
+    whole = train(VIT, tmp_path / "whole", *settings)
+    saved = checkpoint_arrays(tmp_path / "whole", 6)
+    assert np.abs(saved["residuals"]["shard"]).max() > 0  # the residuals were saved
+    shutil.copytree(tmp_path / "whole" / "checkpoints" / "6",
+                    tmp_path / "cut" / "checkpoints" / "6")
+    shutil.copy(tmp_path / "whole" / "config.json", tmp_path / "cut" / "config.json")
+    resumed = train(VIT, tmp_path / "cut", *settings)
+    assert losses(resumed[1]) == {step: loss for step, loss in losses(whole[1]).items()
+                                  if step > 6}
+    for a, b in zip(jax.tree.leaves(resumed[0].state), jax.tree.leaves(whole[0].state),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

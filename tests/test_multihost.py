@@ -114,19 +114,26 @@ def test_weighted_lm_loss_on_two_processes_follows_one_process(tmp_path):
                         reference_result.state.params)
 
 
-def test_a_one_process_checkpoint_resumes_on_two_processes_with_a_hybrid_mesh_and_fsdp(
-        one_process, tmp_path):
-    # Replicated state saved by one process, restored split over 4 devices of 2 processes
-    # (FSDP: params gathered and gradients reduce-scattered across the processes).
+@pytest.mark.parametrize("devices, sharding", [
+    # FSDP over all 4 devices: params gathered and gradients reduce-scattered across
+    # the processes.
+    (2, ("--config.parallel.mesh=hybrid", "--config.parallel.shard_params=true")),
+    # Hybrid sharding: FSDP inside each process, one sum of each device's 1/4 of the
+    # gradient across them per optimizer step.
+    (4, ("--config.parallel.shard_params=host",)),
+], ids=["fsdp", "fsdp_inside_hosts"])
+def test_a_one_process_checkpoint_resumes_sharded_on_two_processes(one_process, tmp_path,
+                                                                   devices, sharding):
+    """Replicated state saved by one process, restored sharded over 2 processes: the
+    same trajectory."""
     reference_result, reference, reference_dir = one_process
     workdir = tmp_path / "moved"
     shutil.copytree(reference_dir / "checkpoints" / "4", workdir / "checkpoints" / "4")
     shutil.copy(reference_dir / "config.json", workdir / "config.json")
-    proc = launch_local(workdir, 2, "--config.parallel.mesh=hybrid",
-                        "--config.parallel.shard_params=true",
-                        "--config.checkpoint.every_steps=4")
+    proc = launch_local(workdir, devices, *sharding, "--config.checkpoint.every_steps=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resuming from" in proc.stderr and "over 4 devices in 2 processes" in proc.stderr
+    assert "resuming from" in proc.stderr
+    assert f"over {2 * devices} devices in 2 processes" in proc.stderr
     got, expected = losses(read_metrics(workdir)), losses(reference)
     assert sorted(got) == [6, 8]
     np.testing.assert_allclose([got[6], got[8]], [expected[6], expected[8]], rtol=1e-5)

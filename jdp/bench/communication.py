@@ -1,4 +1,5 @@
-"""Gradient communication per step: flat, two-level, bf16 and int8 cross-host reduction.
+"""Communication per step and state per device: flat, two-level, bf16 and int8
+cross-host reduction, ZeRO-1 and FSDP over every device and inside each host.
 
     python -m jdp.bench communication        # ViT-S/16 and ResNet-50 on 2 hosts x 4 devices
     python -m jdp.bench communication --intra_gb_s=900 --inter_gb_s=50
@@ -42,7 +43,14 @@ REDUCTIONS = {
     "two_level": {"reduction": "two_level"},
     "bf16": {"reduction": "two_level", "cross_host_reduce": "bfloat16"},
     "int8": {"reduction": "two_level", "cross_host_reduce": "int8"},
+    "zero1": {"shard_optimizer_state": True},
+    "zero1_host": {"shard_optimizer_state": "host"},
+    "fsdp": {"shard_params": True},
+    "fsdp_host": {"shard_params": "host"},
+    "fsdp_host_int8": {"shard_params": "host", "cross_host_reduce": "int8"},
 }
+# A host mode and the mode over every device it replaces.
+HOST_MODES = {"zero1_host": "zero1", "fsdp_host": "fsdp", "fsdp_host_int8": "fsdp"}
 
 
 def add_arguments(parser, name: str) -> None:
@@ -68,8 +76,9 @@ def _model(spec: str, args):
     raise SystemExit(f"--models: unknown family {family!r} in {spec!r}; use vit or resnet")
 
 
-def step_traffic(model, args, reduction: str) -> tuple[list[hlo.Traffic], int]:
-    """(traffic of each collective of the lowered step, gradient bytes in float32)."""
+def step_traffic(model, args, reduction: str) -> tuple[list[hlo.Traffic], int, int]:
+    """(traffic of each collective of the lowered step, gradient bytes in float32, bytes
+    of params and optimizer state one device holds)."""
     mesh = make_mesh(hosts=args.hosts)
     options = StepOptions(**REDUCTIONS[reduction])
     backend = make_backend("pjit", mesh, model, classification(), optax.adamw(1e-3), options)
@@ -79,7 +88,9 @@ def step_traffic(model, args, reduction: str) -> tuple[list[hlo.Traffic], int]:
     grad_bytes = param_count(state.params) * 4
     program = lowered.as_text(dialect="hlo")
     host_of = {device.id: host for host, row in enumerate(mesh.devices) for device in row}
-    return [op.traffic(host_of) for op in hlo.collectives(program)], grad_bytes
+    state_bytes = sum(int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
+                      for leaf in jax.tree.leaves((state.params, state.opt_state)))
+    return [op.traffic(host_of) for op in hlo.collectives(program)], grad_bytes, state_bytes
 
 
 def run(args) -> None:
@@ -87,22 +98,30 @@ def run(args) -> None:
     local = jax.device_count() // args.hosts
     print(f"{args.hosts} hosts x {local} devices; modelled at {args.intra_gb_s:g} GB/s per "
           f"device inside a host, {args.inter_gb_s:g} GB/s per host across hosts", flush=True)
-    speedups = {}
+    speedups, over_all_devices = {}, {}
     for spec in args.models.split(","):
         model = _model(spec, args)
-        flat_time = None
+        times = {}
         for reduction in REDUCTIONS:
-            traffic, grad_bytes = step_traffic(model, args, reduction)
+            traffic, grad_bytes, state_bytes = step_traffic(model, args, reduction)
             inside = sum(t.intra_device_bytes for t in traffic)
             across = sum(t.cross_host_bytes for t in traffic)
-            time_s = sum(t.time_s(intra, inter) for t in traffic)
-            flat_time = flat_time or time_s
-            speedups[(spec, reduction)] = flat_time / time_s
-            print(f"{spec:12s} {reduction:9s} gradients {grad_bytes / MIB:7.1f} MiB: inside a "
-                  f"host {inside / MIB:7.1f} MiB per device, across hosts "
-                  f"{across / MIB:7.1f} MiB per host; modelled {time_s * 1e3:7.2f} ms, "
-                  f"{flat_time / time_s:.2f}x flat", flush=True)
+            times[reduction] = time_s = sum(t.time_s(intra, inter) for t in traffic)
+            speedups[(spec, reduction)] = times["flat"] / time_s
+            line = (f"{spec:12s} {reduction:14s} gradients {grad_bytes / MIB:7.1f} MiB: inside "
+                    f"a host {inside / MIB:7.1f} MiB per device, across hosts "
+                    f"{across / MIB:7.1f} MiB per host; state {state_bytes / MIB:7.1f} MiB per "
+                    f"device; modelled {time_s * 1e3:7.2f} ms, {times['flat'] / time_s:.2f}x "
+                    "flat")
+            if reduction in HOST_MODES:
+                base = HOST_MODES[reduction]
+                over_all_devices[(spec, reduction)] = times[base] / time_s
+                line += f", {times[base] / time_s:.2f}x {base}"
+            print(line, flush=True)
     summary = ", ".join(f"{spec} {reduction} {speedups[(spec, reduction)]:.2f}x"
                         for spec, reduction in speedups if reduction != "flat")
     print(f"communication: modelled speed-up over flat: {summary}")
+    print("communication: host modes over the same sharding across every device: " + ", ".join(
+        f"{spec} {mode} {value:.2f}x {HOST_MODES[mode]}"
+        for (spec, mode), value in over_all_devices.items()))
 

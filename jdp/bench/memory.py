@@ -1,4 +1,5 @@
-"""Per-device memory and communication of the train step: replicated, ZeRO-1 and FSDP.
+"""Per-device memory and communication of the train step: replicated, ZeRO-1 and FSDP,
+over every device and inside each host (`--hosts`, default 2 virtual hosts).
 
     python -m jdp.bench memory --model=base   # ViT-B/16 at 224, bf16, one example per device
 
@@ -27,7 +28,9 @@ MIB = 2**20
 LAYOUTS = {
     "replicated": {},
     "zero1": {"shard_optimizer_state": True},
+    "zero1_host": {"shard_optimizer_state": "host"},
     "fsdp": {"shard_params": True},
+    "fsdp_host": {"shard_params": "host"},
 }
 
 
@@ -39,11 +42,13 @@ def add_arguments(parser, name: str) -> None:
     parser.add_argument("--per_device_batch_size", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16", help="compute dtype")
     parser.add_argument("--remat", default="none", help="none, full, ...")
+    parser.add_argument("--hosts", type=int, default=2,
+                        help="hosts the devices are split into (the host modes need 2 or more)")
 
 
 def step_memory(args, layout: str) -> tuple[int, int, float]:
     """(argument bytes, temporary bytes, bytes sent) per device of the compiled train step."""
-    mesh = make_mesh()
+    mesh = make_mesh(hosts=args.hosts)
     model = adapters.from_linen(vit(args.model, num_classes=args.num_classes,
                                     patch_size=args.patch_size, pool="cls",
                                     dtype=jnp.dtype(args.dtype), remat=args.remat))
@@ -65,6 +70,8 @@ def step_memory(args, layout: str) -> tuple[int, int, float]:
 def run(args) -> None:
     totals = {}
     for layout in LAYOUTS:
+        if layout.endswith("_host") and args.hosts < 2:
+            continue
         arguments, temporaries, sent = step_memory(args, layout)
         totals[layout] = arguments + temporaries
         print(f"{layout:10s} ViT-{args.model}/{args.patch_size} at {args.image_size}, "
@@ -72,5 +79,6 @@ def run(args) -> None:
               f"{jax.device_count()} devices: arguments {arguments / MIB:.0f} MiB + "
               f"temporaries {temporaries / MIB:.0f} MiB per device; sends "
               f"{sent / MIB:.0f} MiB per device per step", flush=True)
-    print(f"memory: fsdp / replicated arguments + temporaries per device = "
-          f"{totals['fsdp'] / totals['replicated']:.3f}")
+    ratios = ", ".join(f"{layout} {totals[layout] / totals['replicated']:.3f}"
+                       for layout in totals if layout != "replicated")
+    print(f"memory: arguments + temporaries per device against replicated: {ratios}")

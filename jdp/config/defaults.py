@@ -15,6 +15,7 @@ IN_MEMORY = ("auto", "true", "false")  # data.in_memory
 LR_SCALINGS = ("none", "linear", "sqrt")
 MESH_SHAPES = ("flat", "hybrid")
 REDUCTIONS = ("flat", "two_level")
+SHARDING_MODES = (False, True, "host")  # parallel.shard_params / shard_optimizer_state
 CROSS_HOST_REDUCE_DTYPES = ("float32", "bfloat16", "int8")
 
 
@@ -93,8 +94,11 @@ def defaults() -> ml_collections.ConfigDict:
     # Groups of devices that share a fast interconnect; 0 = one per process. More
     # than the processes splits each process's devices into virtual hosts.
     c.parallel.hosts = 0
-    c.parallel.shard_optimizer_state = False  # ZeRO-1 (pjit only)
-    c.parallel.shard_params = False  # FSDP-style params sharding (pjit only)
+    # ZeRO-1 and FSDP (pjit only): False, True (sharded over every device) or "host"
+    # (sharded over the devices of each host, replicated across hosts: the gathers and
+    # scatters stay inside hosts and 1/L of the gradient crosses them, once a step).
+    c.parallel.shard_optimizer_state = ml_collections.FieldReference(False, field_type=object)
+    c.parallel.shard_params = ml_collections.FieldReference(False, field_type=object)
     c.parallel.grad_reduce_dtype = "float32"
     # "flat": one all-reduce over all devices; "two_level": reduce-scatter inside each
     # host, all-reduce across hosts, all-gather inside (pjit only).
@@ -111,6 +115,12 @@ def defaults() -> ml_collections.ConfigDict:
     c.checkpoint.init_from = ""
     c.checkpoint.keep_best = ""  # e.g. "eval/accuracy"
     c.checkpoint.keep_best_mode = "max"
+
+    # GPU performance settings (jdp/runtime/gpu_flags.py), applied before jax starts and
+    # only on a GPU host; a flag already in XLA_FLAGS, or a variable already set, wins.
+    c.gpu = ml_collections.ConfigDict()
+    c.gpu.enable_defaults = True  # False: none of jdp's XLA flags and variables
+    c.gpu.flags = ""  # more flags or other values: "--xla_gpu_enable_pipelined_all_reduce=false"
 
     c.watchdog_timeout_s = 600.0
     # Compiled programs are kept here across runs (jdp/compile_cache.py). "" =

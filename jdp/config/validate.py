@@ -18,7 +18,9 @@ from jdp.config.defaults import (
     LR_SCALINGS,
     MESH_SHAPES,
     REDUCTIONS,
+    SHARDING_MODES,
 )
+from jdp.runtime import gpu_flags
 
 
 def validate(config: ml_collections.ConfigDict, device_count: int,
@@ -44,12 +46,15 @@ def validate(config: ml_collections.ConfigDict, device_count: int,
     for field in ("data.num_classes", "data.image_size", "data.num_threads",
                   "data.num_workers"):
         check_positive(config, field, allow_zero=True)
-    if config.parallel.backend == "pmap":
-        for field in ("shard_optimizer_state", "shard_params"):
-            if config.parallel[field]:
-                fail(f"parallel.{field}", True, "the pmap backend keeps a full replica of the "
-                      "state on every device", "use --config.parallel.backend=pjit to shard it")
+    for field in ("shard_optimizer_state", "shard_params"):
+        check_choice(config, f"parallel.{field}", SHARDING_MODES)
+        if config.parallel.backend == "pmap" and config.parallel[field]:
+            fail(f"parallel.{field}", config.parallel[field], "the pmap backend keeps a full "
+                  "replica of the state on every device",
+                  "use --config.parallel.backend=pjit to shard it")
     _check_reduction(config, device_count, process_count)
+    if "gpu" in config:
+        gpu_flags.parse_flags(config.gpu.flags)
     if config.warmup_steps >= config.total_steps:
         fail("warmup_steps", config.warmup_steps,
               f"must be below total_steps ({config.total_steps})", "shorten the warmup")
@@ -79,19 +84,33 @@ def _check_reduction(config: ml_collections.ConfigDict, device_count: int,
         fail("parallel.hosts", parallel.hosts,
               f"a host must hold whole processes or split one ({process_count} processes)",
               f"use a multiple or a divisor of {process_count}, or 0 for one host per process")
+    host_mode = "host" in (parallel.shard_params, parallel.shard_optimizer_state)
+    if parallel.shard_params and parallel.shard_optimizer_state not in (
+            False, parallel.shard_params):
+        fail("parallel.shard_optimizer_state", parallel.shard_optimizer_state,
+              f"shard_params={parallel.shard_params!r} shards the optimizer state with the "
+              "params", "leave shard_optimizer_state unset with shard_params")
+    if host_mode and hosts == 1:
+        field = "shard_params" if parallel.shard_params == "host" else "shard_optimizer_state"
+        fail(f"parallel.{field}", "host", "with one host it is the same as True (every "
+              "device is in the host)", f"use --config.parallel.{field}=true, or split the "
+              "devices into virtual hosts with --config.parallel.hosts=2")
     if parallel.reduction == "two_level":
         if parallel.backend == "pmap":
             fail("parallel.reduction", "two_level", "the pmap backend reduces gradients flat",
                   "use --config.parallel.backend=pjit")
-        if parallel.shard_params:
+        if parallel.shard_params is True:
             fail("parallel.reduction", "two_level", "with shard_params (FSDP) the gradients "
                   "are reduce-scattered over every device as the params are gathered",
-                  "use --config.parallel.reduction=flat with FSDP")
+                  "use --config.parallel.reduction=flat with FSDP, or "
+                  "--config.parallel.shard_params=host (sharded inside hosts, reduced in two "
+                  "levels)")
     if parallel.cross_host_reduce != "float32":
-        if parallel.reduction != "two_level":
+        if parallel.reduction != "two_level" and not host_mode:
             fail("parallel.cross_host_reduce", parallel.cross_host_reduce,
                   "compression applies to the cross-host part of the two-level reduction",
-                  "add --config.parallel.reduction=two_level (pjit backend)")
+                  "add --config.parallel.reduction=two_level (pjit backend), or shard inside "
+                  "hosts with --config.parallel.shard_params=host")
         if hosts == 1:
             fail("parallel.cross_host_reduce", parallel.cross_host_reduce,
                   "with one host nothing crosses hosts",

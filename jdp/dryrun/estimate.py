@@ -60,6 +60,9 @@ class PlanInputs:
     collectives: Sequence[Collective] = ()
     grad_reduce_dtype: str = "float32"
     metric_bytes: int = 0  # the task's metric sums, packed into the gradient all-reduce
+    host_of: dict[int, int] | None = None  # device id -> host, with more than one host
+    # What one device holds of the params and optimizer state (its shards).
+    state_bytes_per_device: int | None = None
 
 
 def ring_all_reduce_s(num_bytes: float, device_count: int,
@@ -238,6 +241,24 @@ def _collective_lines(collectives: Sequence[Collective]) -> list[str]:
     return lines
 
 
+def _host_lines(inputs: PlanInputs) -> list[str]:
+    """With several hosts: what the step's collectives send inside hosts and across them
+    (ring algorithms, the busiest device and host), and the state each device holds."""
+    lines = []
+    if inputs.state_bytes_per_device is not None:
+        lines.append(f"Params and optimizer state per device: "
+                     f"{_size(inputs.state_bytes_per_device)}")
+    if inputs.host_of and len(set(inputs.host_of.values())) > 1 and inputs.collectives:
+        traffic = [c.traffic(inputs.host_of) for c in inputs.collectives]
+        inside = sum(t.intra_device_bytes for t in traffic)
+        across = sum(t.cross_host_bytes for t in traffic)
+        crossing = sum(1 for t in traffic if t.cross_host_bytes)
+        lines.append(f"Per step: {_size(inside)} sent by a device inside its host, "
+                     f"{_size(across)} leaving a host across hosts in {crossing} "
+                     "collective(s) (ring algorithms; loop bodies counted once)")
+    return lines
+
+
 def _gradient_lines(inputs: PlanInputs) -> tuple[list[str], int]:
     """The gradient all-reduce against the parameter count, and the bytes to scale."""
     total = gradient_all_reduce_bytes(inputs.collectives)
@@ -308,6 +329,7 @@ def format_plan(inputs: PlanInputs) -> str:
         _flops_line(inputs),
         compute_source,
         *_collective_lines(inputs.collectives),
+        *_host_lines(inputs),
         *gradient_lines,
         *_scaling_lines(grad_bytes, compute_s),
     ])

@@ -42,8 +42,8 @@ from jdp.parallel.state import TrainState, init_state, step_rng
 class StepOptions:
     accum_steps: int = 1
     reduce_dtype: str = "float32"
-    shard_optimizer_state: bool = False  # ZeRO-1
-    shard_params: bool = False  # FSDP-style
+    shard_optimizer_state: bool | str = False  # ZeRO-1: True over every device, or "host"
+    shard_params: bool | str = False  # FSDP-style: True over every device, or "host"
     compiler_options: dict | None = None  # passed to XLA when compiling the train step
     learning_rate_fn: Callable | None = None  # step -> LR, reported from inside the step
     device_preprocess: Callable | None = None  # batch -> batch before the model (jdp.data.Data)
@@ -102,15 +102,15 @@ class Backend:
         """Shardings of the canonical state (what init produces and checkpoints hold)."""
         mesh, opts = self.mesh, self.options
 
-        def shard(tree, on: bool):
-            return jax.tree.map(lambda x: mesh_lib.state_leaf_sharding(mesh, x, on), tree)
+        def shard(tree, mode):
+            return jax.tree.map(lambda x: mesh_lib.state_leaf_sharding(mesh, x, mode), tree)
 
         return TrainState(
             step=mesh_lib.replicated(mesh),
             params=shard(abstract_state.params, opts.shard_params),
             model_state=_replicated_sharding_tree(mesh, abstract_state.model_state),
             opt_state=shard(abstract_state.opt_state,
-                            opts.shard_optimizer_state or opts.shard_params),
+                            opts.shard_params or opts.shard_optimizer_state),
             rng=mesh_lib.replicated(mesh),
             residuals={name: NamedSharding(mesh, spec)
                        for name, spec in residual_specs(abstract_state.residuals).items()},
@@ -246,8 +246,9 @@ class PjitBackend(Backend):
         """The train step; `param_specs` are the params' PartitionSpecs (FSDP shards them)."""
         opts, model, task, mesh = self.options, self.model, self.task, self.mesh
         # ZeRO-1's optimizer state splits each param along one dimension (where it can).
+        axis, size = mesh_lib.shard_axis(mesh, opts.shard_optimizer_state)
         optimizer_specs = jax.tree.map(
-            lambda x: mesh_lib.sharded_over_data(tuple(x.shape), mesh.size), abstract_params)
+            lambda x: mesh_lib.sharded_over_data(tuple(x.shape), size, axis), abstract_params)
         reducer = self.reducer(param_specs, optimizer_specs)
 
         def device_grads(params, model_state, batch, rng, step, residuals):

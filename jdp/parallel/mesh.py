@@ -73,18 +73,27 @@ def process_rows(mesh: Mesh, global_batch_size: int) -> slice:
     return slice(starts[0], starts[0] + per_device * len(starts))
 
 
-def sharded_over_data(shape: tuple[int, ...], data_size: int) -> P:
-    """ZeRO/FSDP rule: split the largest dimension divisible by the data axis, else replicate."""
+def sharded_over_data(shape: tuple[int, ...], data_size: int, axis=DATA_AXIS) -> P:
+    """ZeRO/FSDP rule: split the largest dimension divisible by the axis's size over
+    `axis` (every device, or `LOCAL_AXIS`: the devices of each host), else replicate."""
     candidates = [(size, dim) for dim, size in enumerate(shape) if size % data_size == 0]
     if not candidates or data_size == 1:
         return P()
     _, dim = max(candidates)
     spec = [None] * len(shape)
-    spec[dim] = DATA_AXIS
+    spec[dim] = axis
     return P(*spec)
 
 
-def state_leaf_sharding(mesh: Mesh, leaf, shard: bool) -> NamedSharding:
-    if not shard or not getattr(leaf, "shape", ()):
+def shard_axis(mesh: Mesh, mode) -> tuple[tuple[str, ...] | str, int]:
+    """(axis, size) a sharding mode splits state over: True every device, "host" the
+    devices of each host (replicated across hosts)."""
+    return (LOCAL_AXIS, mesh.shape[LOCAL_AXIS]) if mode == "host" else (DATA_AXIS, mesh.size)
+
+
+def state_leaf_sharding(mesh: Mesh, leaf, mode) -> NamedSharding:
+    """A state leaf's sharding under a mode of `parallel.shard_params` (False, True, "host")."""
+    if not mode or not getattr(leaf, "shape", ()):
         return replicated(mesh)
-    return NamedSharding(mesh, sharded_over_data(tuple(leaf.shape), mesh.size))
+    axis, size = shard_axis(mesh, mode)
+    return NamedSharding(mesh, sharded_over_data(tuple(leaf.shape), size, axis))

@@ -12,6 +12,11 @@ reduces the metric sums beside the gradients:
   so only the sums are left to reduce.
 - `TwoLevelReducer`: inside each host, across hosts, inside again, with optional
   compression across (`jdp.parallel.two_level`).
+- Hybrid sharding (`shard_params` / `shard_optimizer_state` = "host"): FSDP or
+  ZeRO-1 over the `local` axis only, the state replicated across hosts. Gathers
+  and scatters stay inside hosts; `AcrossHosts` then sums each device's 1/L part
+  of the gradient over the hosts, once per optimizer step, after accumulation
+  (PyTorch FSDP's HYBRID_SHARD, MaxText's ici_fsdp x dcn_data).
 
 A ring reduce-scatter is half of a ring all-reduce, and the all-gather of the
 updated (ZeRO-1) or used (FSDP) params the other half, so all of them send what
@@ -24,11 +29,14 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jdp import DATA_AXIS
-from jdp.parallel.two_level import RESIDUAL_SPECS, TwoLevel
+from jdp import DATA_AXIS, HOSTS_AXIS, LOCAL_AXIS
+from jdp.parallel.mesh import sharded_over_data
+from jdp.parallel.two_level import RESIDUAL_SPECS, TwoLevel, param_count
 
 # The reduction of the step is found by this name in the HLO (the dry run, the tests).
 GRADIENT_SCOPE = "gradient_all_reduce"
@@ -41,8 +49,8 @@ class Reducer:
     `gather_params` turns the params a device holds into those the model uses;
     `reduce` returns (summed gradients, summed flat metric sums, new residuals);
     `param_specs` / `grad_specs` are how params enter and gradients leave the
-    per-device computation (`shard_map` specs); `residual_shapes` the global shapes
-    of the state the strategy keeps across steps (`TrainState.residuals`).
+    per-device computation (`shard_map` specs); `residual_shapes(params)` the global
+    shapes of the state the strategy keeps across steps (`TrainState.residuals`).
     """
 
     reduce_dtype: Any = jnp.float32
@@ -59,12 +67,57 @@ class Reducer:
     def grad_specs(self):
         return P()
 
-    def residual_shapes(self, param_count: int) -> dict[str, tuple[int, ...]]:
-        del param_count
+    def residual_shapes(self, params) -> dict[str, tuple[int, ...]]:
+        del params
         return {}
 
     def _cast(self, grads):
         return jax.tree.map(lambda g: g.astype(self.reduce_dtype), grads)
+
+
+@dataclasses.dataclass(frozen=True)
+class AcrossHosts:
+    """The cross-host step of the host-sharded modes: each device's part of the
+    gradient, already summed inside its host, summed over the hosts in one all-reduce
+    (or its compressed form with error feedback, as in the two-level reduction)."""
+
+    two_level: TwoLevel
+
+    def __call__(self, parts, residuals: dict, specs):
+        """`specs`: how each leaf is split inside the host (`parts` holds the whole leaf,
+        summed over the host, where a spec splits nothing)."""
+        if not self.two_level.compressed:
+            return jax.lax.psum(parts, HOSTS_AXIS), residuals
+        # Only the split leaves travel compressed: a leaf every device of a host holds
+        # whole must come back identical on all of them, and a block's int8 scale
+        # depends on its neighbours, which differ from device to device.
+        leaves, treedef = jax.tree.flatten(parts)
+        split = [split_dim(spec) is not None for spec in treedef.flatten_up_to(specs)]
+        whole = jax.lax.psum([leaf for leaf, s in zip(leaves, split, strict=True) if not s],
+                             HOSTS_AXIS)
+        flat, unravel = jax.flatten_util.ravel_pytree(
+            [leaf for leaf, s in zip(leaves, split, strict=True) if s])
+        size = flat.size
+        flat = jnp.pad(flat, (0, self._padded(size) - size))
+        flat, residuals = self.two_level.sum_over_hosts(flat, residuals)
+        shards, whole = iter(unravel(flat[:size])), iter(whole)
+        return jax.tree.unflatten(treedef, [next(shards) if s else next(whole)
+                                            for s in split]), residuals
+
+    def _padded(self, part_size: int) -> int:
+        local = self.two_level.local
+        return self.two_level.padded_size(part_size * local) // local
+
+    def residual_shapes(self, params) -> dict[str, tuple[int, ...]]:
+        """Indexed like the two-level reduction's, over a device's flattened part."""
+        local = self.two_level.local
+
+        def part(leaf) -> int:  # of the split leaves (the rest travel uncompressed)
+            spec = sharded_over_data(tuple(leaf.shape), local, LOCAL_AXIS)
+            return int(np.prod(leaf.shape)) // local if split_dim(spec) is not None else 0
+
+        part_size = sum(part(leaf) for leaf in jax.tree.leaves(params))
+        return self.two_level.residual_shapes(part_size * local)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,31 +129,47 @@ class Flat(Reducer):
 
 @dataclasses.dataclass(frozen=True)
 class ZeroScatter(Reducer):
-    """ZeRO-1: `specs` are the optimizer state's PartitionSpecs (params replicated)."""
+    """ZeRO-1: `specs` are the optimizer state's PartitionSpecs (params replicated),
+    over `axis`; with `across` (hybrid: `axis` is `local`) the host's sums are then
+    summed over the hosts."""
 
     specs: Any = None
+    axis: Any = DATA_AXIS
+    across: AcrossHosts | None = None
 
     def reduce(self, grads, flat_sums, residuals):
         leaves, treedef = jax.tree.flatten(self._cast(grads))
         dims = [split_dim(spec) for spec in treedef.flatten_up_to(self.specs)]
         whole = [leaf for leaf, dim in zip(leaves, dims, strict=True) if dim is None]
-        whole, flat_sums = jax.lax.psum((whole, flat_sums), DATA_AXIS)
+        if self.across is None:
+            whole, flat_sums = jax.lax.psum((whole, flat_sums), DATA_AXIS)
+        else:
+            whole, flat_sums = jax.lax.psum(whole, self.axis), jax.lax.psum(flat_sums, DATA_AXIS)
         whole = iter(whole)
-        reduced = [next(whole) if dim is None else
-                   jax.lax.psum_scatter(leaf, DATA_AXIS, scatter_dimension=dim, tiled=True)
-                   for leaf, dim in zip(leaves, dims, strict=True)]
-        return jax.tree.unflatten(treedef, reduced), flat_sums, residuals
+        reduced = jax.tree.unflatten(treedef, [
+            next(whole) if dim is None else
+            jax.lax.psum_scatter(leaf, self.axis, scatter_dimension=dim, tiled=True)
+            for leaf, dim in zip(leaves, dims, strict=True)])
+        if self.across is not None:
+            reduced, residuals = self.across(reduced, residuals, self.specs)
+        return reduced, flat_sums, residuals
 
     def grad_specs(self):
         return self.specs
+
+    def residual_shapes(self, params):
+        return {} if self.across is None else self.across.residual_shapes(params)
 
 
 @dataclasses.dataclass(frozen=True)
 class Fsdp(Reducer):
     """FSDP: `specs` are the params' PartitionSpecs (each split along at most one
-    dimension over the data axes, else replicated)."""
+    dimension over `axis`, else replicated); with `across` (hybrid: `axis` is `local`)
+    the host's gradient shards are then summed over the hosts."""
 
     specs: Any = None
+    axis: Any = DATA_AXIS
+    across: AcrossHosts | None = None
 
     def gather_params(self, params):
         gathers = jax.tree.map(self._gather_leaf, self.specs, is_leaf=lambda x: isinstance(x, P))
@@ -109,13 +178,13 @@ class Fsdp(Reducer):
     def _gather_leaf(self, spec: P):
         """Local shard -> full param, whose gradient comes back reduce-scattered (a
         replicated param's gradient is summed with a psum), in `reduce_dtype`."""
-        dim, reduce_dtype = split_dim(spec), self.reduce_dtype
+        dim, reduce_dtype, axis = split_dim(spec), self.reduce_dtype, self.axis
 
         @jax.custom_vjp
         def gather(x):
             if dim is None:
                 return x
-            return jax.lax.all_gather(x, DATA_AXIS, axis=dim, tiled=True)
+            return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
 
         def forward(x):
             return gather(x), None
@@ -124,17 +193,23 @@ class Fsdp(Reducer):
             g = g.astype(reduce_dtype)
             with jax.named_scope(GRADIENT_SCOPE):
                 if dim is not None:
-                    g = jax.lax.psum_scatter(g, DATA_AXIS, scatter_dimension=dim, tiled=True)
+                    g = jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
                 else:
-                    g = jax.lax.psum(g, DATA_AXIS)
+                    g = jax.lax.psum(g, axis)
             return (g.astype(jnp.float32),)
 
         gather.defvjp(forward, backward)
         return gather
 
     def reduce(self, grads, flat_sums, residuals):
-        # The gradients were reduce-scattered by the gather's transpose.
+        # The gradients were reduce-scattered by the gather's transpose (per micro-batch,
+        # over `axis`); what is left is the one sum over the hosts.
+        if self.across is not None:
+            grads, residuals = self.across(grads, residuals, self.specs)
         return grads, jax.lax.psum(flat_sums, DATA_AXIS), residuals
+
+    def residual_shapes(self, params):
+        return {} if self.across is None else self.across.residual_shapes(params)
 
     def param_specs(self):
         return self.specs
@@ -151,8 +226,8 @@ class TwoLevelReducer(Reducer):
         grads, residuals = self.two_level(self._cast(grads), residuals)
         return grads, jax.lax.psum(flat_sums, DATA_AXIS), residuals
 
-    def residual_shapes(self, param_count: int) -> dict[str, tuple[int, ...]]:
-        return self.two_level.residual_shapes(param_count)
+    def residual_shapes(self, params) -> dict[str, tuple[int, ...]]:
+        return self.two_level.residual_shapes(param_count(params))
 
 
 def split_dim(spec: P) -> int | None:
@@ -162,13 +237,20 @@ def split_dim(spec: P) -> int | None:
 
 
 def make_reducer(*, reduction: str = "flat", reduce_dtype: str = "float32",
-                 shard_params: bool = False, shard_optimizer_state: bool = False,
+                 shard_params=False, shard_optimizer_state=False,
                  param_specs=None, optimizer_specs=None, cross_host: str = "float32",
                  error_feedback: bool = True, hosts: int = 1, local: int = 1) -> Reducer:
     """The one place a strategy is chosen. FSDP's gradients are reduce-scattered as its
     params are gathered; ZeRO-1's are scattered to the optimizer state's shards unless
-    the two-level reduction (which returns whole gradients) is asked for."""
+    the two-level reduction (which returns whole gradients) is asked for. The "host"
+    modes shard inside hosts and reduce across them in two levels whatever
+    `reduction` says."""
     dtype = jnp.dtype(reduce_dtype)
+    across = AcrossHosts(TwoLevel(cross_host, error_feedback, hosts, local))
+    if shard_params == "host":
+        return Fsdp(dtype, param_specs, LOCAL_AXIS, across)
+    if shard_optimizer_state == "host" and not shard_params:
+        return ZeroScatter(dtype, optimizer_specs, LOCAL_AXIS, across)
     if shard_params:
         return Fsdp(dtype, param_specs)
     if reduction == "two_level":

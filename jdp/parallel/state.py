@@ -13,7 +13,6 @@ import optax
 from jdp import DATA_AXIS
 from jdp.experiment.adapters import Model
 from jdp.parallel.reducers import Reducer
-from jdp.parallel.two_level import param_count
 
 
 @flax.struct.dataclass
@@ -32,7 +31,7 @@ class TrainState:
 def init_state(model: Model, tx: optax.GradientTransformation, rng: jax.Array, inputs: tuple,
                reducer: Reducer | None = None) -> TrainState:
     params, model_state = model.init(rng, inputs)
-    shapes = reducer.residual_shapes(param_count(params)) if reducer else {}
+    shapes = reducer.residual_shapes(params) if reducer else {}
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
                       opt_state=tx.init(params), rng=jax.random.key_data(rng),
                       residuals={name: jnp.zeros(shape, jnp.float32)

@@ -92,12 +92,17 @@ class TwoLevel:
         size = flat.size
         flat = jnp.pad(flat, (0, self.padded_size(size) - size))
         shard = jax.lax.psum_scatter(flat, LOCAL_AXIS, scatter_dimension=0, tiled=True)
-        if self.compressed:
-            shard, residuals = self._compressed_sum_over_hosts(shard, residuals)
-        else:
-            shard = jax.lax.psum(shard, HOSTS_AXIS)
+        shard, residuals = self.sum_over_hosts(shard, residuals)
         flat = jax.lax.all_gather(shard, LOCAL_AXIS, axis=0, tiled=True)
         return unravel(flat[:size]), residuals
+
+    def sum_over_hosts(self, shard: jax.Array, residuals: dict):
+        """(the sum over hosts of this device's flat shard, new residuals): one
+        all-reduce across hosts, or its compressed form. The shard's length is 1/L of
+        a `padded_size`."""
+        if self.compressed:
+            return self._compressed_sum_over_hosts(shard, residuals)
+        return jax.lax.psum(shard, HOSTS_AXIS), residuals
 
     def _compressed_sum_over_hosts(self, shard: jax.Array, residuals: dict):
         """The sum over hosts of this device's shard, sent compressed (see the module)."""
