@@ -10,7 +10,9 @@ come from the collectives of the program as lowered, not as XLA:CPU compiles it:
 XLA:CPU widens bfloat16 collectives to float32, which GPUs and TPUs do not, and
 combines the flat reduction's per-leaf all-reduces into one, which changes no
 bandwidth-bound byte count (tests/test_communication.py checks the compiled
-two-level program's groups and bytes). For each collective: what the busiest device
+two-level program's groups and bytes). The sharded modes (ZeRO-1, FSDP) are read
+from the compiled program: XLA's partitioner inserts ZeRO-1's all-gather of the
+updated params after lowering. For each collective: what the busiest device
 sends inside its host and what leaves the busiest host, with ring algorithms
 (`hlo.Collective.traffic`). The modelled time of a collective is the slower of
 the two at the given bandwidths (a device's inside its host, a host's across
@@ -51,6 +53,9 @@ REDUCTIONS = {
 }
 # A host mode and the mode over every device it replaces.
 HOST_MODES = {"zero1_host": "zero1", "fsdp_host": "fsdp", "fsdp_host_int8": "fsdp"}
+# Read from the compiled program: the all-gathers of ZeRO-1's updated params are
+# inserted by XLA's partitioner, after lowering (float32 only, so nothing is widened).
+COMPILED = {"zero1", "zero1_host", "fsdp", "fsdp_host"}
 
 
 def add_arguments(parser, name: str) -> None:
@@ -86,7 +91,8 @@ def step_traffic(model, args, reduction: str) -> tuple[list[hlo.Traffic], int, i
                "label": np.zeros((), np.int32)}
     lowered, state = lower_from_shapes(backend, (example["image"][None],), example, mesh.size)
     grad_bytes = param_count(state.params) * 4
-    program = lowered.as_text(dialect="hlo")
+    program = (lowered.compile().as_text() if reduction in COMPILED
+               else lowered.as_text(dialect="hlo"))
     host_of = {device.id: host for host, row in enumerate(mesh.devices) for device in row}
     state_bytes = sum(int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
                       for leaf in jax.tree.leaves((state.params, state.opt_state)))
