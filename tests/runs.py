@@ -113,6 +113,19 @@ def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.02) -> No
         time.sleep(poll_s)
 
 
+def kill_one_trainer(launcher: subprocess.Popen, reached, timeout_s: float = 240) -> None:
+    """Once `reached()`, SIGKILLs one of the trainer processes `launch/local.py` started
+    (failing if the launcher exits first)."""
+    import signal
+
+    wait_for(lambda: reached() or launcher.poll() is not None, timeout_s, "the kill point",
+             poll_s=0.05)
+    assert launcher.poll() is None, "the launcher ended before the kill point"
+    trainers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                              text=True).stdout.split()
+    os.kill(int(trainers[-1]), signal.SIGKILL)
+
+
 def logged_steps(workdir) -> list[int]:
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):

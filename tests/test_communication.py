@@ -11,6 +11,7 @@ import pytest
 
 from jdp import DATA_AXIS
 from jdp import config as config_lib
+from jdp.dryrun import estimate as hlo_estimate
 from jdp.dryrun import hlo
 from jdp.errors import ConfigError
 from runs import (
@@ -175,11 +176,17 @@ def test_error_feedback_sends_over_steps_what_int8_rounds_away(feedback):
         assert error > 0.9 * true[small].max(), error  # the small values are all lost
 
 
-def test_an_int8_run_resumes_bitwise_with_its_residuals(tmp_path):
+@pytest.mark.parametrize("layout", [
+    TWO_HOSTS,
+    # FSDP inside hosts: its leaves held whole by every device of a host must stay
+    # identical replicas, or the checkpoint (one replica) would resume another run.
+    ("--config.parallel.hosts=2", "--config.parallel.shard_params=host"),
+], ids=["two_level", "fsdp_inside_hosts"])
+def test_an_int8_run_resumes_bitwise_with_its_residuals(tmp_path, layout):
     """As if killed after its step-6 checkpoint: a run given only that checkpoint
     resumes, error-feedback residuals included, and ends bitwise where the whole run
     ended."""
-    settings = (*STEPS, *TWO_HOSTS, "--config.parallel.cross_host_reduce=int8",
+    settings = (*STEPS, *layout, "--config.parallel.cross_host_reduce=int8",
                 "--config.checkpoint.every_steps=6")
     whole = train(VIT, tmp_path / "whole", *settings)
     saved = checkpoint_arrays(tmp_path / "whole", 6)
@@ -317,18 +324,25 @@ def test_a_hybrid_checkpoint_resumes_replicated_on_one_host(flat_run, fsdp_host_
     assert_same_trajectory(resumed, after_six, logged_steps=(9, 12))
 
 
-def test_a_compressed_hybrid_run_resumes_bitwise_with_its_residuals(tmp_path):
-    settings = (*STEPS, *HYBRID["fsdp"], "--config.parallel.cross_host_reduce=int8",
-                "--config.checkpoint.every_steps=6")
-    whole = train(VIT, tmp_path / "whole", *settings)
-    saved = checkpoint_arrays(tmp_path / "whole", 6)
-    assert np.abs(saved["residuals"]["shard"]).max() > 0  # the residuals were saved
-    shutil.copytree(tmp_path / "whole" / "checkpoints" / "6",
-                    tmp_path / "cut" / "checkpoints" / "6")
-    shutil.copy(tmp_path / "whole" / "config.json", tmp_path / "cut" / "config.json")
-    resumed = train(VIT, tmp_path / "cut", *settings)
-    assert losses(resumed[1]) == {step: loss for step, loss in losses(whole[1]).items()
-                                  if step > 6}
-    for a, b in zip(jax.tree.leaves(resumed[0].state), jax.tree.leaves(whole[0].state),
-                    strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+def test_the_dry_run_shows_the_bytes_across_hosts_and_the_state_per_device(tmp_path):
+    from jdp import main as jdp_main
+
+    def plan(*overrides):
+        config = load_config(VIT, *STEPS, "--config.parallel.hosts=2", *overrides)
+        inputs = jdp_main.run(config, VIT, str(tmp_path / "never"), dry_run=True).inputs
+        line = next(line for line in hlo_estimate.format_plan(inputs).splitlines()
+                    if line.startswith("Per step: "))
+        return inputs, line
+
+    flat, flat_line = plan()
+    hybrid, hybrid_line = plan("--config.parallel.shard_params=host")
+    assert "inside its host" in hybrid_line and "leaving a host across hosts" in hybrid_line
+
+    def across(inputs):
+        return sum(c.traffic(inputs.host_of).cross_host_bytes for c in inputs.collectives)
+
+    # The flat ring sends 2(N-1)/N of the gradient out of a host, the host modes what
+    # the two-level reduction sends: 1.75x less for 2 hosts of 4.
+    assert across(flat) == pytest.approx(1.75 * across(hybrid), rel=0.02)
+    assert hybrid.state_bytes_per_device < 0.27 * flat.state_bytes_per_device
+    assert not (tmp_path / "never").exists()  # a dry run writes nothing

@@ -4,11 +4,9 @@ work in the bucket, a damaged newest checkpoint falls back, restarts under
 launch/local.py lose no step, and unusable paths fail at start with one line."""
 
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -17,13 +15,24 @@ from jdp import main as jdp_main
 from jdp.errors import ConfigError
 from jdp.observe.writers import read_metrics
 from jdp.runtime import storage
-from runs import REPO, load_config, losses, main_command, main_env, train, wait_for
+from runs import (
+    REPO,
+    kill_one_trainer,
+    load_config,
+    losses,
+    main_command,
+    main_env,
+    train,
+    wait_for,
+)
 
 VIT = "experiments/vit.py"
 SETTINGS = ("--config.warmup_steps=2", "--config.log_every_steps=1",
             "--config.eval_every_steps=0", "--config.batch_size=64")
 KILLED = (*SETTINGS, "--config.total_steps=30", "--config.checkpoint.every_steps=20",
-          "--config.checkpoint.max_to_keep=1")
+          "--config.checkpoint.max_to_keep=1",
+          # a profile window in the rerun: its trace goes to the bucket, the report reads it
+          "--config.profile.start_step=22", "--config.profile.num_steps=2")
 DETERMINISTIC = ("train/loss", "train/learning_rate", "train/grad_norm", "train/param_norm")
 
 
@@ -134,7 +143,9 @@ def test_the_report_reads_a_bucket_workdir(killed_run, tmp_path, capsys):
 
     assert report.main([killed_run, "--out", str(tmp_path)]) == 0
     assert (tmp_path / "index.html").exists() and (tmp_path / "loss.png").exists()
-    assert "run" in capsys.readouterr().out.splitlines()[1]  # the run's summary row
+    out = capsys.readouterr().out
+    assert "run" in out.splitlines()[1]  # the run's summary row
+    assert "ms/step (traced)" in out  # the profile window's split, from the bucket's trace
 
 
 def test_a_damaged_newest_checkpoint_in_the_bucket_falls_back_to_the_previous(gcs, caplog):
@@ -216,13 +227,7 @@ def test_a_killed_process_of_two_restarts_and_logs_each_step_once_in_the_bucket(
              "--config.checkpoint.every_steps=4", "--config.watchdog_timeout_s=60")],
         cwd=REPO, env=main_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while max(bucket_steps(workdir), default=0) < 6:
-            assert time.monotonic() < deadline and launcher.poll() is None
-            time.sleep(0.1)
-        trainers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
-                                  text=True).stdout.split()
-        os.kill(int(trainers[-1]), signal.SIGKILL)
+        kill_one_trainer(launcher, lambda: max(bucket_steps(workdir), default=0) >= 6)
         _, stderr = launcher.communicate(timeout=300)
     finally:
         launcher.kill()

@@ -15,7 +15,16 @@ import numpy as np
 import pytest
 
 from jdp.runtime import exit_codes
-from runs import REPO, checkpoint_arrays, logged_steps, losses, main_env, read_metrics, train
+from runs import (
+    REPO,
+    checkpoint_arrays,
+    kill_one_trainer,
+    logged_steps,
+    losses,
+    main_env,
+    read_metrics,
+    train,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -256,13 +265,7 @@ def test_a_killed_process_is_restarted_and_the_run_ends_as_if_uninterrupted(two_
          f"--workdir={workdir}", *RESTARTED],
         cwd=REPO, env=main_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while max(logged_steps(workdir), default=0) < 6:
-            assert time.monotonic() < deadline and launcher.poll() is None
-            time.sleep(0.05)
-        trainers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
-                                  text=True).stdout.split()
-        os.kill(int(trainers[-1]), signal.SIGKILL)
+        kill_one_trainer(launcher, lambda: max(logged_steps(workdir), default=0) >= 6)
         _, stderr = launcher.communicate(timeout=240)
     finally:
         launcher.kill()

@@ -209,7 +209,12 @@ def format_text_table(header: list[str], rows: list[list[str]]) -> str:
 
 def profile_phases(workdir: str) -> trace_phases.PhaseSplit | None:
     """The step-time split of the run's profile window; None when it traced none."""
-    path = trace_phases.latest_trace(os.path.join(workdir, "profile"))
+    profile = storage.join(workdir, "profile")
+    if storage.is_bucket(profile):  # the trace reader takes local paths only
+        if not storage.isdir(profile):
+            return None
+        profile = storage.local_copy(profile)
+    path = trace_phases.latest_trace(profile)
     return None if path is None else trace_phases.split_file(path)
 
 
