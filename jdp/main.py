@@ -169,6 +169,12 @@ def main(argv) -> None:
         _fail("--workdir is required. Fix: pass --workdir=DIR (created if missing).")
     console = _ConsoleFilter()
     logging.get_absl_handler().addFilter(console)
+    # The flag keeps `path.py:ARG` whole; the experiment file is the part before ':'.
+    config_path = config_flags.get_config_filename(flags.FLAGS["config"]).partition(":")[0]
+    try:  # reading a config that failed to load raises; say why in one line first
+        loader.check_file(config_path)
+    except ConfigError as e:
+        _fail(str(e))
     if "gpu" in _CONFIG.value:
         try:  # before anything starts jax's backends, which read them once
             gpu_flags.apply(_CONFIG.value.gpu)
@@ -181,8 +187,6 @@ def main(argv) -> None:
         _fail(str(e))
     if jax.process_count() > 1:
         console.prefix = f"[p{jax.process_index()}] "
-    # The flag keeps `path.py:ARG` whole; the experiment file is the part before ':'.
-    config_path = config_flags.get_config_filename(flags.FLAGS["config"]).partition(":")[0]
     try:
         result = run(_CONFIG.value, config_path, _WORKDIR.value, dry_run=_DRY_RUN.value,
                      device_memory_gib=_DEVICE_MEMORY.value, step_time_s=_STEP_TIME.value)

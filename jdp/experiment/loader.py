@@ -54,10 +54,15 @@ class Experiment:
         return f"{hook}() in {self.path}"
 
 
-def load(path: str) -> Experiment:
+def check_file(path: str) -> None:
+    """Raises the one-line ConfigError for an experiment file that does not exist."""
     if not os.path.isfile(path):
         raise ConfigError(f"--config={path!r}: no such experiment file. Fix: pass the path of "
                           "a Python file that defines get_config(), e.g. experiments/vit.py.")
+
+
+def load(path: str) -> Experiment:
+    check_file(path)
     # A name unique to the file, so two experiment files never share a module.
     name = "jdp_experiment_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, path)
