@@ -184,7 +184,7 @@ class Backend:
         The sums are not donated: the host reads a closed window one step late, while
         the next step is already running on it.
         """
-        metrics = jax.eval_shape(self._step_fn_for(state), state, batch)[1]
+        metrics = self._metric_shapes(state, batch)
         sharding, flag_shape = self._window_layout()
 
         def constant(value, shape, dtype) -> jax.Array:  # from the host: nothing to compile
@@ -197,8 +197,8 @@ class Backend:
             self.options.compiler_options)
         return compiled, sums, (reset, keep)
 
-    def _step_fn_for(self, state) -> Callable:
-        """The jitted or pmapped train step for this state's layout."""
+    def _metric_shapes(self, state, batch):
+        """The train step's metrics, shapes only, as the window step returns them."""
         raise NotImplementedError
 
     def _window_fn_for(self, state) -> Callable:
@@ -290,8 +290,8 @@ class PjitBackend(Backend):
                 out_shardings=(state_shardings, replicated), donate_argnums=0)
         return self._train_step
 
-    def _step_fn_for(self, state):
-        return self._jitted(state)
+    def _metric_shapes(self, state, batch):
+        return jax.eval_shape(self._jitted(state), state, batch)[1]
 
     def _window_fn_for(self, state):
         self._jitted(state)
@@ -338,7 +338,7 @@ class PmapBackend(Backend):
         # span the whole job, while each process feeds and holds its local replicas.
         devices = list(self.mesh.devices.flat)
         # One device's step, jitted: both pmaps call it, so they share one trace.
-        device_step = jax.jit(train_step)
+        device_step = self._device_step = jax.jit(train_step)
         self._train_step = jax.pmap(_with_hosts_axis(device_step), axis_name=LOCAL_AXIS,
                                     donate_argnums=0, devices=devices)
         self._window_step = jax.pmap(
@@ -392,8 +392,17 @@ class PmapBackend(Backend):
     def lowered_train_step(self, state, batch):
         return self._train_step.lower(state, batch)
 
-    def _step_fn_for(self, state):
-        return self._train_step
+    def _metric_shapes(self, state, batch):
+        # One device's step under its axis names, by vmap over an axis of 1: jax.eval_shape
+        # of the pmapped step does not take global arrays of several processes.
+        def one_device(x):
+            return jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype)
+
+        metrics = jax.eval_shape(
+            jax.vmap(_with_hosts_axis(self._device_step), axis_name=LOCAL_AXIS),
+            jax.tree.map(one_device, state), jax.tree.map(one_device, batch))[1]
+        return jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct((self.mesh.size, *m.shape[1:]), m.dtype), metrics)
 
     def _window_fn_for(self, state):
         return self._window_step
