@@ -113,17 +113,29 @@ def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.02) -> No
         time.sleep(poll_s)
 
 
-def kill_one_trainer(launcher: subprocess.Popen, reached, timeout_s: float = 240) -> None:
-    """Once `reached()`, SIGKILLs one of the trainer processes `launch/local.py` started
-    (failing if the launcher exits first)."""
+def run_killing_one_trainer(main_args, *, max_restarts: int, reached, timeout_s: float = 240,
+                            finish_timeout_s: float = 240) -> tuple[int, str]:
+    """`launch/local.py` with 2 processes of 4 devices and `--max_restarts` running
+    `python -m jdp.main MAIN_ARGS`; once `reached()` (within `timeout_s`), one trainer is
+    SIGKILLed (failing if the launcher ended first), and the job has `finish_timeout_s`
+    to end. Returns the launcher's (exit status, stderr)."""
     import signal
 
-    wait_for(lambda: reached() or launcher.poll() is not None, timeout_s, "the kill point",
-             poll_s=0.05)
-    assert launcher.poll() is None, "the launcher ended before the kill point"
-    trainers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
-                              text=True).stdout.split()
-    os.kill(int(trainers[-1]), signal.SIGKILL)
+    launcher = subprocess.Popen(
+        [sys.executable, "launch/local.py", "--num_processes=2", "--devices_per_process=4",
+         f"--max_restarts={max_restarts}", "--", *main_command(*main_args)],
+        cwd=REPO, env=main_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: reached() or launcher.poll() is not None, timeout_s, "the kill point",
+                 poll_s=0.05)
+        assert launcher.poll() is None, "the launcher ended before the kill point"
+        trainers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                                  text=True).stdout.split()
+        os.kill(int(trainers[-1]), signal.SIGKILL)
+        _, stderr = launcher.communicate(timeout=finish_timeout_s)
+    finally:
+        launcher.kill()
+    return launcher.returncode, stderr
 
 
 def logged_steps(workdir) -> list[int]:

@@ -5,7 +5,6 @@ launch/local.py lose no step, and unusable paths fail at start with one line."""
 
 import os
 import subprocess
-import sys
 import threading
 
 import numpy as np
@@ -17,11 +16,11 @@ from jdp.observe.writers import read_metrics
 from jdp.runtime import storage
 from runs import (
     REPO,
-    kill_one_trainer,
     load_config,
     losses,
     main_command,
     main_env,
+    run_killing_one_trainer,
     train,
     wait_for,
 )
@@ -220,18 +219,12 @@ def test_a_text_run_in_a_bucket_workdir_needs_a_local_token_dir(gcs, tmp_path):
 @pytest.mark.slow
 def test_a_killed_process_of_two_restarts_and_logs_each_step_once_in_the_bucket(gcs):
     workdir = new_bucket(gcs, "restarted") + "/run"
-    launcher = subprocess.Popen(
-        [sys.executable, "launch/local.py", "--num_processes=2", "--devices_per_process=4",
-         "--max_restarts=1", "--", *main_command(
-             f"--config={VIT}", f"--workdir={workdir}", *SETTINGS, "--config.total_steps=12",
-             "--config.checkpoint.every_steps=4", "--config.watchdog_timeout_s=60")],
-        cwd=REPO, env=main_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        kill_one_trainer(launcher, lambda: max(bucket_steps(workdir), default=0) >= 6)
-        _, stderr = launcher.communicate(timeout=300)
-    finally:
-        launcher.kill()
-    assert launcher.returncode == 0, stderr[-3000:]
+    returncode, stderr = run_killing_one_trainer(
+        (f"--config={VIT}", f"--workdir={workdir}", *SETTINGS, "--config.total_steps=12",
+         "--config.checkpoint.every_steps=4", "--config.watchdog_timeout_s=60"),
+        max_restarts=1, reached=lambda: max(bucket_steps(workdir), default=0) >= 6,
+        finish_timeout_s=300)
+    assert returncode == 0, stderr[-3000:]
     assert "restart 1 of 1" in stderr
     assert bucket_steps(workdir) == list(range(1, 13))
 

@@ -18,11 +18,11 @@ from jdp.runtime import exit_codes
 from runs import (
     REPO,
     checkpoint_arrays,
-    kill_one_trainer,
     logged_steps,
     losses,
     main_env,
     read_metrics,
+    run_killing_one_trainer,
     train,
 )
 
@@ -259,19 +259,12 @@ def test_a_killed_process_is_restarted_and_the_run_ends_as_if_uninterrupted(two_
     restarts from its newest checkpoint by itself and ends bitwise where an
     uninterrupted 2-process run ends, each step logged once."""
     workdir = tmp_path / "killed"
-    launcher = subprocess.Popen(
-        [sys.executable, "launch/local.py", "--num_processes=2", "--devices_per_process=4",
-         "--max_restarts=2", "--", sys.executable, "-m", "jdp.main", f"--config={VIT}",
-         f"--workdir={workdir}", *RESTARTED],
-        cwd=REPO, env=main_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        kill_one_trainer(launcher, lambda: max(logged_steps(workdir), default=0) >= 6)
-        _, stderr = launcher.communicate(timeout=240)
-    finally:
-        launcher.kill()
+    returncode, stderr = run_killing_one_trainer(
+        (f"--config={VIT}", f"--workdir={workdir}", *RESTARTED), max_restarts=2,
+        reached=lambda: max(logged_steps(workdir), default=0) >= 6)
     launcher_lines = "\n".join(line for line in stderr.splitlines()
                                if line.startswith("launch/local.py") or "watchdog" in line)
-    assert launcher.returncode == 0, launcher_lines + "\n" + stderr[-3000:]
+    assert returncode == 0, launcher_lines + "\n" + stderr[-3000:]
     assert "restart 1 of 2" in stderr
     train_steps = [r["step"] for r in read_metrics(workdir) if "train/loss" in r]
     assert train_steps == list(range(1, 13))  # each step once, none lost

@@ -34,6 +34,7 @@ from jdp.experiment import adapters
 from jdp.experiment.task import classification
 from jdp.models import resnet, vit
 from jdp.parallel import StepOptions, make_backend
+from jdp.parallel import mesh as mesh_lib
 from jdp.parallel.mesh import make_mesh
 from jdp.parallel.two_level import param_count
 
@@ -93,9 +94,8 @@ def step_traffic(model, args, reduction: str) -> tuple[list[hlo.Traffic], int, i
     grad_bytes = param_count(state.params) * 4
     program = (lowered.compile().as_text() if reduction in COMPILED
                else lowered.as_text(dialect="hlo"))
-    host_of = {device.id: host for host, row in enumerate(mesh.devices) for device in row}
-    state_bytes = sum(int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
-                      for leaf in jax.tree.leaves((state.params, state.opt_state)))
+    host_of = mesh_lib.host_of(mesh)
+    state_bytes = mesh_lib.device_bytes((state.params, state.opt_state))
     return [op.traffic(host_of) for op in hlo.collectives(program)], grad_bytes, state_bytes
 
 

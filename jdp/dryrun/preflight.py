@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import numpy as np
 
 from jdp.config import BatchSplit
 from jdp.dryrun import estimate, hlo
@@ -73,15 +72,7 @@ def preflight(config, experiment: Experiment, components: Components, split: Bat
         grad_reduce_dtype=config.parallel.grad_reduce_dtype,
         # (sum, weight) of the loss and each metric, packed beside the gradients
         metric_bytes=4 * 2 * (1 + len(components.metric_names)),
-        host_of={device.id: host for host, row in enumerate(mesh.devices) for device in row},
-        state_bytes_per_device=_device_bytes((abstract.params, abstract.opt_state)))
+        host_of=mesh_lib.host_of(mesh),
+        state_bytes_per_device=mesh_lib.device_bytes((abstract.params, abstract.opt_state)))
     return Preflight(inputs, lowered.as_text(dialect="hlo", debug_info=True))
 
-
-def _device_bytes(tree) -> int:
-    """What the first device holds of `tree` (abstract arrays with shardings)."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.shape else ()
-        total += int(np.prod(shape)) * leaf.dtype.itemsize
-    return total

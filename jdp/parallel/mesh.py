@@ -52,6 +52,18 @@ def make_mesh(shape: str = "flat", devices=None, hosts: int = 0) -> Mesh:
                 axis_types=(auto, auto))
 
 
+def host_of(mesh: Mesh) -> dict[int, int]:
+    """Device id -> the host (row of the mesh) it belongs to."""
+    return {device.id: host for host, row in enumerate(mesh.devices) for device in row}
+
+
+def device_bytes(tree) -> int:
+    """What one device holds of `tree`, arrays (or their shapes) with shardings: its
+    shard of each leaf, the whole leaf where it is replicated."""
+    return sum(int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
+               for leaf in jax.tree.leaves(tree))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
