@@ -28,6 +28,7 @@ from jdp.runtime.preemption import Preempted
 from jdp.train import loop
 from jdp.train.hooks import HookError
 from jdp.train.nonfinite import NonFiniteError
+from jdp.tune import result as tune_result
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment file defining get_config(arg); `path.py:arg` passes arg.",
@@ -88,6 +89,9 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
         device_memory_gib: float | None = None, step_time_s: float | None = None):
     """Everything after flag parsing; tests call this directly. Returns a loop.TrainResult,
     or with `dry_run` the `preflight.Preflight` plan (nothing trained or written)."""
+    applied = tune_result.apply(config)  # --config.tune=FILE: a saved jdp.tune result
+    if applied:
+        logging.info("applied %s: %s", config.tune, tune_result.command_line(applied))
     storage.check_supported(workdir, "--workdir")
     if config.checkpoint.init_from:
         storage.check_supported(config.checkpoint.init_from, "config.checkpoint.init_from")
@@ -140,62 +144,71 @@ def _call_build_hooks(experiment: loader.Experiment, config) -> list:
                           f"{type(e).__name__}: {e}") from e
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing with one-line errors for bad overrides instead of tracebacks."""
+def _parse_flags(argv: list[str], known_flags=_JDP_FLAGS) -> list[str]:
+    """absl flag parsing with one-line errors for bad overrides instead of tracebacks;
+    an unknown flag's error lists `known_flags`."""
     try:
         return flags.FLAGS(argv)
     except flags.UnrecognizedFlagError as e:
-        known = ", ".join(f"--{holder.name}" for holder in _JDP_FLAGS)
-        _fail(f"unknown flag --{e.flagname}. Fix: use jdp's flags ({known}), or "
-              "--config.KEY=VALUE to override a config field.")
+        known = ", ".join(f"--{holder.name}" for holder in known_flags)
+        fail(f"unknown flag --{e.flagname}. Fix: use jdp's flags ({known}), or "
+             "--config.KEY=VALUE to override a config field.")
     except flags.Error as e:
-        _fail(f"{e}. Fix: pass a value of the field's type (see the experiment's get_config).")
+        fail(f"{e}. Fix: pass a value of the field's type (see the experiment's get_config).")
     except SyntaxError as e:  # the experiment file, loaded by the --config flag: bad input,
         # exit 2, which a launcher never restarts (1 would be)
         column = f", column {e.offset}" if e.offset else ""
-        _fail(f"--config={e.filename!r}: {e.msg} at line {e.lineno}{column}. Fix: correct the "
-              "experiment file's Python syntax there.")
+        fail(f"--config={e.filename!r}: {e.msg} at line {e.lineno}{column}. Fix: correct the "
+             "experiment file's Python syntax there.")
     except AttributeError as e:  # ConfigDict: an override naming no existing field
         name, _, hint = str(e).strip("'").replace("\\'", "'").partition("\\n")
-        _fail(f"unknown config field {name} in a --config override. {hint} Fix: override only "
-              "fields that the experiment's config defines (listed in <workdir>/config.json).")
+        fail(f"unknown config field {name} in a --config override. {hint} Fix: override only "
+             "fields that the experiment's config defines (listed in <workdir>/config.json).")
     return []
 
 
-def main(argv) -> None:
+def start_up(argv) -> str:
+    """What a jdp program does between its flags and its work, on every host: checks the
+    experiment file, applies the GPU settings before jax starts, joins the job, quiets the
+    log's library chatter. Returns the experiment file's path."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     if _WORKDIR.value is None:
-        _fail("--workdir is required. Fix: pass --workdir=DIR (created if missing).")
-    console = _ConsoleFilter()
+        fail("--workdir is required. Fix: pass --workdir=DIR (created if missing).")
+    console = ConsoleFilter()
     logging.get_absl_handler().addFilter(console)
     # The flag keeps `path.py:ARG` whole; the experiment file is the part before ':'.
     config_path = config_flags.get_config_filename(flags.FLAGS["config"]).partition(":")[0]
     try:  # reading a config that failed to load raises; say why in one line first
         loader.check_file(config_path)
     except ConfigError as e:
-        _fail(str(e))
+        fail(str(e))
     if "gpu" in _CONFIG.value:
         try:  # before anything starts jax's backends, which read them once
             gpu_flags.apply(_CONFIG.value.gpu)
         except ConfigError as e:
-            _fail(str(e))
+            fail(str(e))
     try:
         distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                                timeout_s=_DISTRIBUTED_TIMEOUT.value)
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
     if jax.process_count() > 1:
         console.prefix = f"[p{jax.process_index()}] "
+    return config_path
+
+
+def main(argv) -> None:
+    config_path = start_up(argv)
     try:
         result = run(_CONFIG.value, config_path, _WORKDIR.value, dry_run=_DRY_RUN.value,
                      device_memory_gib=_DEVICE_MEMORY.value, step_time_s=_STEP_TIME.value)
     except (CheckpointSaveError, HookError) as e:
-        _fail(str(e), exit_codes.FAILED)
+        fail(str(e), exit_codes.FAILED)
     except (ConfigError, UsageError, CheckpointError, distributed.MismatchError) as e:
-        _fail(str(e))
+        fail(str(e))
     except NonFiniteError as e:
-        _fail(str(e), exit_codes.NONFINITE)
+        fail(str(e), exit_codes.NONFINITE)
     except Preempted as e:
         logging.info("%s", e)
         sys.exit(exit_codes.PREEMPTED)
@@ -210,7 +223,7 @@ _QUIET_BELOW_WARNING = ("/orbax/", "/tensorflow_datasets/", "/jax/_src/xla_bridg
                         "/jax/_src/compilation_cache.py")
 
 
-class _ConsoleFilter(logging.logging.Filter):
+class ConsoleFilter(logging.logging.Filter):
     """One readable log per process: library chatter dropped, `[pN] ` on every line
     once the process knows its index."""
 
@@ -224,7 +237,7 @@ class _ConsoleFilter(logging.logging.Filter):
         return True
 
 
-def _fail(message: str, exit_code: int = exit_codes.BAD_CONFIG) -> None:
+def fail(message: str, exit_code: int = exit_codes.BAD_CONFIG) -> None:
     print(f"jdp: error: {message}", file=sys.stderr)
     sys.exit(exit_code)
 

@@ -127,5 +127,9 @@ def defaults() -> ml_collections.ConfigDict:
     # $JDP_COMPILE_CACHE_DIR, else $XDG_CACHE_HOME/jdp/compile_cache, else
     # ~/.cache/jdp/compile_cache; "none" = no cache.
     c.compile_cache_dir = ""
+    # A result of `python -m jdp.tune` (its tune.json), applied before validation: its
+    # winner's values replace the searched keys; refused if the rest of the config is not
+    # the one it was tuned for. "" = none.
+    c.tune = ""
     return c
 

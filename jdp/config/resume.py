@@ -17,12 +17,13 @@ RESUMABLE_CHANGES = ("total_steps", "log_every_steps", "eval_every_steps", "eval
                      "compile_cache_dir")
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """A nested dict (a config as JSON) as {dotted key path: leaf value}."""
     flat = {}
     for key, value in tree.items():
         path = f"{prefix}{key}"
         if isinstance(value, dict):
-            flat.update(_flatten(value, path + "."))
+            flat.update(flatten(value, path + "."))
         else:
             flat[path] = value
     return flat
@@ -34,9 +35,9 @@ def resume_differences(saved: dict, current: dict) -> list[str]:
     def resumable(path: str) -> bool:
         return any(path == f or path.startswith(f + ".") for f in RESUMABLE_CHANGES)
 
-    saved_flat, current_flat = _flatten(saved), _flatten(current)
+    saved_flat, current_flat = flatten(saved), flatten(current)
     # A field added to jdp after the run was saved, at its default, changes nothing.
-    added = {path: value for path, value in _flatten(json.loads(defaults().to_json())).items()
+    added = {path: value for path, value in flatten(json.loads(defaults().to_json())).items()
              if path not in saved_flat and current_flat.get(path) == value}
     saved_flat.update(added)
     return [f"{path}: {saved_flat.get(path, '<absent>')!r} -> "

@@ -25,6 +25,10 @@ class PlanError(ValueError):
     """The compiled step cannot run as configured; the message is one line with the fix."""
 
 
+class MemoryUnknown(PlanError):
+    """XLA gave no memory analysis for the compiled step (some platforms give none)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ScalingRow:
     device_count: int

@@ -50,6 +50,11 @@ def preflight(config, experiment: Experiment, components: Components, split: Bat
     compiled = lowered.compile(backend.options.compiler_options)
     memory = compiled.memory_analysis()
     device = mesh.local_devices[0]
+    if memory is None:
+        raise estimate.MemoryUnknown(
+            f"XLA gave no memory analysis of the train step on {device.platform} "
+            f"({device.device_kind}): its per-device memory is unknown. Fix: plan the memory "
+            "on a platform that reports it (GPU, TPU, CPU).")
     if device_memory_bytes is None:
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None
         device_memory_bytes = (stats or {}).get("bytes_limit")

@@ -22,6 +22,11 @@ _POLICIES: dict[str, Callable[..., bool]] = {
 }
 
 REMAT_POLICIES: tuple[str, ...] = ("none", *_POLICIES)
+# From the policy that saves the most activations (none: no recomputation, the most
+# memory) to the one that saves nothing (full: the least memory, the most recomputation).
+REMAT_BY_STRENGTH: tuple[str, ...] = (
+    "none", "dots_saveable", "dots_with_no_batch_dims_saveable", "full")
+assert sorted(REMAT_BY_STRENGTH) == sorted(REMAT_POLICIES)
 
 
 def remat_policy(name: str) -> Callable[..., bool] | None:
