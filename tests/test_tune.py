@@ -215,7 +215,7 @@ def test_two_processes_agree_on_the_winner_and_only_process_0_writes(tmp_path):
     proc = subprocess.run(
         [sys.executable, "launch/local.py", "--num_processes=2", "--devices_per_process=4",
          "--", *tune_command(f"--config={VIT}", f"--workdir={workdir}", *TINY,
-                             "--search=backend", "--trial_steps=8")],
+                             "--search=reduction", "--trial_steps=8")],
         cwd=REPO, env=main_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     winners = sorted(line for line in proc.stdout.splitlines() if "winner #" in line)

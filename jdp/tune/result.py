@@ -72,10 +72,12 @@ def _settings(overrides: dict) -> str:
     return " ".join(f"{_SHORT.get(key, key)}={value}" for key, value in overrides.items())
 
 
+def memory_text(num_bytes: int | None) -> str:
+    return "unknown" if num_bytes is None else f"{num_bytes / 2**20:.2f} MiB"
+
+
 def _memory(row: Row) -> str:
-    if row.fits is None:
-        return "-"  # not compiled
-    return "unknown" if row.footprint_bytes is None else f"{row.footprint_bytes / 2**20:.2f} MiB"
+    return "-" if row.fits is None else memory_text(row.footprint_bytes)  # - : not compiled
 
 
 def _fits(row: Row) -> str:

@@ -24,7 +24,7 @@ from jdp import config as config_lib
 from jdp import main as jdp_main
 from jdp.config.checks import get
 from jdp.data import splits, streamed
-from jdp.errors import ConfigError
+from jdp.errors import ConfigError, first_line
 from jdp.experiment import components as components_lib
 from jdp.experiment import loader
 from jdp.experiment.loader import Experiment
@@ -108,10 +108,23 @@ def _streams(components: components_lib.Components, config) -> bool:
     return isinstance(train, streamed.StreamedTrain)
 
 
+def _measure(config, candidate: space.Candidate, setup: _Setup) -> list:
+    """Process 0's [footprint bytes, reported capacity, error]: a candidate whose compile
+    fails (a bug on one path should not end the search) is reported, not raised."""
+    try:
+        measured = footprint.measure(setup.configured(config, candidate.overrides),
+                                     setup.experiment, setup.devices, workdir=setup.token_dir)
+        found = [measured.needed_bytes, measured.reported_capacity_bytes, None]
+    except Exception as e:  # noqa: BLE001 - any failure of this one candidate's compile
+        logging.exception("tune: compiling #%d from shapes failed", candidate.index)
+        found = [None, None, f"{type(e).__name__}: {first_line(e, 120)}"]
+    return agree.from_process_0(found)
+
+
 def _compile_pass(config, candidates: list[space.Candidate], options: Options,
                   setup: _Setup) -> tuple[list[result.Row], footprint.Capacity]:
     """Rows for every candidate, compiled in order unless dominated, with their fit."""
-    capacity = None
+    capacity = footprint.Capacity(options.device_memory_bytes, options.memory_margin)
     dominance = space.Dominance()
     rows = []
     for candidate in candidates:
@@ -121,17 +134,15 @@ def _compile_pass(config, candidates: list[space.Candidate], options: Options,
         if dominant is not None:
             row.status = f"not compiled: dominated by #{dominant.index}"
             continue
-        measured = footprint.measure(setup.configured(config, candidate.overrides),
-                                     setup.experiment, setup.devices, workdir=setup.token_dir)
-        needed, reported = agree.from_process_0([measured.needed_bytes,
-                                                 measured.reported_capacity_bytes])
-        if capacity is None:
-            capacity = footprint.Capacity(options.device_memory_bytes or reported,
-                                          options.memory_margin)
+        needed, reported, error = _measure(config, candidate, setup)
+        if error:
+            row.status = f"not compiled: failed ({error})"
+            continue
+        if capacity.capacity_bytes is None and reported is not None:
+            capacity = dataclasses.replace(capacity, capacity_bytes=reported)
         row.footprint_bytes, row.fits = needed, capacity.fits(needed)
         logging.info("tune: #%d %s: %s per device, %s", candidate.index,
-                     result.command_line(candidate.overrides),
-                     "unknown" if needed is None else f"{needed / 2**20:.2f} MiB",
+                     result.command_line(candidate.overrides), result.memory_text(needed),
                      "fits" if row.fits else "does not fit")
         if row.fits:
             dominance.fits(candidate)
@@ -151,8 +162,11 @@ def _capacity_line(capacity: footprint.Capacity) -> str:
 
 def _nothing_fits(rows: list[result.Row], capacity: footprint.Capacity,
                   options: Options) -> str:
-    smallest = min((row for row in rows if row.footprint_bytes is not None),
-                   key=lambda row: row.footprint_bytes)
+    compiled = [row for row in rows if row.footprint_bytes is not None]
+    if not compiled:
+        return (f"no candidate compiled: {rows[0].status} for #1, the first. Fix: check the "
+                "config with python -m jdp.main --dry_run.")
+    smallest = min(compiled, key=lambda row: row.footprint_bytes)
     fixes = ["a smaller --config.batch_size"]
     if not options.allow_numerics_change:
         fixes.append("--allow_numerics_change (compute_dtype=bfloat16)")
