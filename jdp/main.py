@@ -20,6 +20,7 @@ import jdp
 from jdp import config as config_lib
 from jdp.checkpoint import CheckpointError, CheckpointSaveError, check_best_metric
 from jdp.checkpoint.resume import check_resumable
+from jdp.config import tuned
 from jdp.errors import ConfigError
 from jdp.experiment import components as components_lib
 from jdp.experiment import loader
@@ -28,7 +29,6 @@ from jdp.runtime.preemption import Preempted
 from jdp.train import loop
 from jdp.train.hooks import HookError
 from jdp.train.nonfinite import NonFiniteError
-from jdp.tune import result as tune_result
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment file defining get_config(arg); `path.py:arg` passes arg.",
@@ -89,9 +89,9 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
         device_memory_gib: float | None = None, step_time_s: float | None = None):
     """Everything after flag parsing; tests call this directly. Returns a loop.TrainResult,
     or with `dry_run` the `preflight.Preflight` plan (nothing trained or written)."""
-    applied = tune_result.apply(config)  # --config.tune=FILE: a saved jdp.tune result
+    applied = tuned.apply(config)  # --config.tune=FILE: a saved jdp.tune result
     if applied:
-        logging.info("applied %s: %s", config.tune, tune_result.command_line(applied))
+        logging.info("applied %s: %s", config.tune, applied)
     storage.check_supported(workdir, "--workdir")
     if config.checkpoint.init_from:
         storage.check_supported(config.checkpoint.init_from, "config.checkpoint.init_from")

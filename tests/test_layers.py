@@ -10,7 +10,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jdp"
 
 # Bottom to top. A module may import its own layer and those before it. The programs
 # at the top (the dry run, the report, sampling, text preparation, the benchmarks,
-# main) stand on everything below them and on nothing of each other but as listed.
+# main, and the tuner above main) stand on everything below them and on nothing of
+# each other but as listed.
 LAYERS = [
     ("jdp", "jdp.errors"),  # the package root: the mesh axis names, ConfigError
     ("jdp.runtime",),
@@ -23,6 +24,7 @@ LAYERS = [
     ("jdp.train", "jdp.hooks"),
     ("jdp.dryrun", "jdp.report", "jdp.sample", "jdp.text"),
     ("jdp.bench", "jdp.main"),
+    ("jdp.tune",),  # runs jdp.main's trainer for its trials
 ]
 
 

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from jdp import main as jdp_main
+from jdp.config import tuned
+from jdp.config.checks import get
 from jdp.errors import ConfigError
 from jdp.experiment import loader
 from jdp.tune import footprint, result
@@ -226,3 +228,13 @@ def test_two_processes_agree_on_the_winner_and_only_process_0_writes(tmp_path):
     saved = json.loads((workdir / result.TUNE_FILE).read_text())
     assert winners[0].endswith(saved["winner"]["command_line"])
     assert sorted(os.listdir(workdir)) == sorted([result.TABLE_FILE, result.TUNE_FILE])
+
+
+def test_a_result_still_applies_to_a_longer_run_with_other_logging_and_saving(searched):
+    outcome, _, workdir = searched
+    config = load_config(VIT, *TINY, "--config.total_steps=5000", "--config.warmup_steps=200",
+                         "--config.log_every_steps=100", "--config.checkpoint.every_steps=500",
+                         f"--config.tune={workdir / result.TUNE_FILE}")
+    assert tuned.apply(config) == outcome.winner.candidate.overrides
+    for key, value in outcome.winner.candidate.overrides.items():
+        assert get(config, key) == value

@@ -1,20 +1,16 @@
-"""A search's outcome: one row per candidate, the table, `tune.json`, and applying a saved
-result to a config (`--config.tune=FILE`, which `jdp.main` reads before validation).
+"""A search's outcome: one row per candidate, the table and `tune.json`.
 
 `tune.json` holds every candidate, the winner's overrides, and the fixed part of the
-config that was tuned (every key but the searched ones) with its fingerprint: a result
-applies only to the config it was measured for.
+config that was tuned with its fingerprint (`jdp.config.tuned`, which also applies a
+saved result): a result applies only to the config it was measured for.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from typing import TYPE_CHECKING
 
-from jdp.config.resume import flatten
-from jdp.errors import ConfigError
+from jdp.config.tuned import fingerprint
 
 if TYPE_CHECKING:
     from jdp.tune.space import Candidate
@@ -112,17 +108,6 @@ def table(rows: list[Row], *, unit: str, capacity_line: str, winner: Row | None)
     return "\n".join(lines)
 
 
-def fixed_part(config, searched_keys) -> dict:
-    """The config as flat {key: value}, less the searched keys and `tune` itself."""
-    flat = flatten(json.loads(config.to_json_best_effort()))
-    return {key: value for key, value in sorted(flat.items())
-            if key not in searched_keys and key != "tune"}
-
-
-def fingerprint(fixed: dict) -> str:
-    return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()
-
-
 def result_record(rows: list[Row], winner: Row, *, searched_keys, fixed: dict,
                   settings: dict) -> dict:
     """What tune.json holds."""
@@ -131,45 +116,3 @@ def result_record(rows: list[Row], winner: Row, *, searched_keys, fixed: dict,
             "searched_keys": sorted(searched_keys), "fingerprint": fingerprint(fixed),
             "fixed": fixed, "settings": settings,
             "candidates": [row.record() for row in rows]}
-
-
-def _read(path: str) -> dict:
-    fix = "pass the tune.json that python -m jdp.tune wrote into its --workdir, or rerun it"
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-        saved["winner"]["overrides"], saved["searched_keys"], saved["fixed"]  # noqa: B018
-    except FileNotFoundError:
-        raise ConfigError(f"config.tune={path!r}: no such file. Fix: {fix}.") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"config.tune={path!r}: not a readable tune result "
-                          f"({type(e).__name__}: {e}). Fix: {fix}.") from None
-    return saved
-
-
-def _first_difference(saved: dict, current: dict) -> tuple[str, object, object]:
-    absent = "<absent>"
-    for key in sorted(saved.keys() | current.keys()):
-        if saved.get(key, absent) != current.get(key, absent):
-            return key, saved.get(key, absent), current.get(key, absent)
-    raise AssertionError("fingerprints differ but no key does")
-
-
-def apply(config) -> dict:
-    """Applies the result named by `config.tune` (if any) to `config` in place, after
-    checking that it was tuned for this config; returns the overrides applied. The
-    searched keys are set to the winner's values, whatever they were."""
-    path = config.get("tune", "")
-    if not path:
-        return {}
-    saved = _read(path)
-    current = fixed_part(config, saved["searched_keys"])
-    if fingerprint(current) != saved["fingerprint"]:
-        key, then, now = _first_difference(saved["fixed"], current)
-        raise ConfigError(
-            f"config.tune={path!r} was tuned for another config: {key} is {now!r} here but "
-            f"was {then!r} when tuned. Fix: rerun python -m jdp.tune with this config, or "
-            f"pass --config.{key}={then}.")
-    overrides = saved["winner"]["overrides"]
-    config.update_from_flattened_dict(overrides)
-    return overrides

@@ -22,6 +22,7 @@ from absl import logging
 
 from jdp import config as config_lib
 from jdp import main as jdp_main
+from jdp.config import tuned
 from jdp.config.checks import get
 from jdp.data import splits, streamed
 from jdp.errors import ConfigError, first_line
@@ -186,7 +187,11 @@ def _time(rows: list[result.Row], budget: trial.Budget, run_one) -> None:
         if not agree.from_process_0(budget.allows_another()):
             row.status = "not timed: budget"
             continue
-        row.timing = budget.timed(lambda row=row: run_one(row.candidate))
+        try:
+            row.timing = budget.timed(lambda row=row: run_one(row.candidate))
+        except trial.TrialFailed as e:
+            row.status = f"not timed: the trial failed ({e})"
+            continue
         row.status = "timed" if row.timing.speed else "not timed: the trial logged nothing"
 
 
@@ -296,7 +301,7 @@ def _search(config, workdir: str, options: Options, explicit: list[dict] | None,
     # -- 4. Write ---------------------------------------------------------------
     record = result.result_record(
         rows, winner, searched_keys=searched_keys,
-        fixed=result.fixed_part(config, searched_keys),
+        fixed=tuned.fixed_part(config, searched_keys),
         settings={**dataclasses.asdict(options), "capacity_bytes": capacity.capacity_bytes,
                   "usable_bytes": capacity.usable_bytes, "unit": unit,
                   "experiment": setup.config_path})

@@ -16,7 +16,9 @@ import shutil
 import time
 
 import jax
+from absl import logging
 
+from jdp.errors import first_line
 from jdp.observe.writers import read_metrics
 from jdp.tune import agree
 
@@ -75,15 +77,28 @@ def speed_of(records: list[dict]) -> Speed | None:
     return Speed(mean("train/examples_per_s"), mean("train/tokens_per_s"), mean("train/mfu"))
 
 
+class TrialFailed(Exception):
+    """A trial's run raised (out of device memory, a bug on one path): that candidate is
+    not timed, and the search goes on."""
+
+
 def run_trial(run, config, workdir: str) -> Speed | None:
     """Trains `config` in the scratch `workdir` with `run(config, workdir)` (jdp.main's
-    `run`), then removes it; process 0's reading of the loop's figures, on every process."""
+    `run`), then removes it; process 0's reading of the loop's figures, on every process.
+    Raises TrialFailed, with the error's first line, when the run raised."""
+    failure = None
     try:
-        run(config, workdir)
-        speed = agree.from_process_0(_read_speed(workdir))
+        try:
+            run(config, workdir)
+        except Exception as e:  # noqa: BLE001 - this candidate's failure, not the search's
+            logging.exception("tune: the trial in %s failed", workdir)
+            failure = f"{type(e).__name__}: {first_line(e, 120)}"
+        speed = None if failure else agree.from_process_0(_read_speed(workdir))
     finally:
         agree.barrier(f"jdp.tune trial {workdir}")  # every process is done with it
         shutil.rmtree(workdir, ignore_errors=True)
+    if failure:
+        raise TrialFailed(failure)
     return None if speed is None else Speed(**speed)
 
 
@@ -120,7 +135,8 @@ class Budget:
         if self.started is None:
             self.started = self.clock()
         start_s = self.elapsed_s()
-        speed = run_trial_fn()
-        length_s = self.elapsed_s() - start_s
-        self.lengths_s.append(length_s)
-        return Timing(speed, start_s, length_s)
+        try:
+            speed = run_trial_fn()
+        finally:  # a failed trial's time counts against the budget too
+            self.lengths_s.append(self.elapsed_s() - start_s)
+        return Timing(speed, start_s, self.lengths_s[-1])
