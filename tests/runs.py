@@ -86,9 +86,19 @@ def prepared_step(path: str, *overrides: str, devices=None, global_batch_size=12
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def xla_flags(devices: int) -> str:
+    """This session's XLA_FLAGS (tests/conftest.py's, or the caller's own) with `devices`
+    CPU devices: every process of the tests compiles with the same flags."""
+    kept = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
+            if flag.split("=", 1)[0] != DEVICE_COUNT_FLAG]
+    return " ".join([*kept, f"{DEVICE_COUNT_FLAG}={devices}"])
+
+
 def main_env(devices: int = 8, **extra: str) -> dict:
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-            "JAX_PLATFORMS": "cpu", **extra}
+    return {**os.environ, "XLA_FLAGS": xla_flags(devices), "JAX_PLATFORMS": "cpu", **extra}
 
 
 def main_command(*args: str) -> list[str]:

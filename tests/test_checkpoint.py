@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from orbax.checkpoint._src.path import atomicity
 
 from jdp.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError, load_params
+from runs import xla_flags
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -586,7 +587,7 @@ def free_port() -> int:
 def test_two_processes_stop_at_one_step_and_save_what_one_process_restores(
     open_checkpointer, ckpt_dir
 ):
-    env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = subprocess_env(XLA_FLAGS=xla_flags(4))
     port = str(free_port())
     workers = [
         subprocess.Popen(

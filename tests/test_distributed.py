@@ -21,6 +21,7 @@ import jax
 import pytest
 
 from jdp.runtime import distributed, watchdog
+from runs import xla_flags
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -71,7 +72,7 @@ def run_processes(
         if not name.startswith(("SLURM_", "JDP_", "JAX_")) and name not in _CLUSTER_VARIABLES
     }
     env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=xla_flags(devices),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
         PYTHONUNBUFFERED="1",

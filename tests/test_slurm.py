@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from jdp.runtime import exit_codes
-from runs import losses, read_metrics, train
+from runs import losses, read_metrics, train, xla_flags
 
 pytestmark = pytest.mark.slow
 
@@ -144,7 +144,7 @@ def _job_env() -> dict[str, str]:
     }
     env.update(
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_TASK}",
+        XLA_FLAGS=xla_flags(DEVICES_PER_TASK),
         PYTHONUNBUFFERED="1",
     )
     return env
