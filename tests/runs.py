@@ -86,15 +86,22 @@ def prepared_step(path: str, *overrides: str, devices=None, global_batch_size=12
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+def load_launcher():
+    """launch/local.py as a module (a script, not part of the jdp package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "launch_local", os.path.join(REPO, "launch", "local.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def xla_flags(devices: int) -> str:
     """This session's XLA_FLAGS (tests/conftest.py's, or the caller's own) with `devices`
-    CPU devices: every process of the tests compiles with the same flags."""
-    kept = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
-            if flag.split("=", 1)[0] != DEVICE_COUNT_FLAG]
-    return " ".join([*kept, f"{DEVICE_COUNT_FLAG}={devices}"])
+    CPU devices, as launch/local.py sets them: every process of the tests compiles with
+    the same flags."""
+    return load_launcher().with_device_count(os.environ.get("XLA_FLAGS", ""), devices)
 
 
 def main_env(devices: int = 8, **extra: str) -> dict:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from jdp.runtime import exit_codes
+from runs import load_launcher
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO / "launch" / "local.py"
@@ -21,13 +21,6 @@ SUM_JOB = REPO / "tests" / "distributed_sum_job.py"
 TIMEOUT_S = 60
 # Bounds a launcher that should stop within seconds, so a hang fails the test quickly.
 STOP_TIMEOUT_S = 20
-
-
-def _load_launcher():
-    spec = importlib.util.spec_from_file_location("launch_local", LAUNCHER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -358,18 +351,18 @@ def test_a_signal_to_the_launcher_is_not_answered_by_a_restart(launch, tmp_path)
 
 def test_max_restarts_must_not_be_negative():
     with pytest.raises(SystemExit):
-        _load_launcher().parse_args(["--num_processes=1", "--max_restarts=-1", "--", "true"])
+        load_launcher().parse_args(["--num_processes=1", "--max_restarts=-1", "--", "true"])
 
 
 @pytest.mark.parametrize("value", ["0", "3"])
 def test_min_processes_must_be_between_1_and_num_processes(value):
     with pytest.raises(SystemExit):
-        _load_launcher().parse_args(
+        load_launcher().parse_args(
             ["--num_processes=2", f"--min_processes={value}", "--", "true"])
 
 
 def test_device_count_flag_is_appended_or_replaced():
-    launcher = _load_launcher()
+    launcher = load_launcher()
     assert launcher.with_device_count("", 4) == "--xla_force_host_platform_device_count=4"
     assert (
         launcher.with_device_count("--a=1 --xla_force_host_platform_device_count=8 --b", 2)
@@ -378,7 +371,7 @@ def test_device_count_flag_is_appended_or_replaced():
 
 
 def test_gpu_slices_index_into_the_visible_gpus():
-    launcher = _load_launcher()
+    launcher = load_launcher()
     assert launcher.gpu_slice(1, 2, None) == "2,3"
     assert launcher.gpu_slice(1, 2, "4,5,6,7") == "6,7"
     with pytest.raises(ValueError, match="lists 4"):
