@@ -3,6 +3,7 @@
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 
 # XLA:CPU's code generation at optimisation level 1 instead of 2: the tests' compiles
@@ -27,37 +28,14 @@ os.environ["JDP_COMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="jdp-compile-cache
 atexit.register(shutil.rmtree, os.environ["JDP_COMPILE_CACHE_DIR"], ignore_errors=True)
 
 
-def _reuse_deserialized_executables() -> None:
-    """Within this test process, a program read from the compilation cache is deserialized
-    once: the many short runs of the same tiny models otherwise spend about a second each
-    turning the same cache entries back into executables. A hit is still a hit only where
-    the cache in use holds the same entry, so every test sees the cache's real hits,
-    misses and damaged entries.
-    Runs only on the jax whose private function it wraps; elsewhere nothing changes."""
-    try:
-        from jax._src import compilation_cache
-    except ImportError:
-        return
-    original = getattr(compilation_cache, "get_executable_and_time", None)
-    get_cache = getattr(compilation_cache, "_get_cache", None)
-    if original is None or get_cache is None:
-        return
-    import jax
+# Every Python process a test starts loads tests/site/sitecustomize.py, and this one
+# installs the same: the compilation cache's entries are deserialized once per process
+# and, on CPU, keyed alike in every process of a multi-process job (tests/site/
+# cache_reuse.py says why).
+_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_SITE, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+sys.path.insert(0, _SITE)
+import cache_reuse  # noqa: E402
 
-    loaded = {}
-
-    def get_executable_and_time(cache_key, compile_options, backend, executable_devices):
-        cache = get_cache(backend)
-        entry = None if cache is None else cache.get(cache_key)
-        if entry is None:
-            return original(cache_key, compile_options, backend, executable_devices)
-        # The entry's bytes are in the key: a torn or rewritten entry is read afresh.
-        key = (jax.config.jax_compilation_cache_dir, cache_key, hash(entry))
-        if key not in loaded:
-            loaded[key] = original(cache_key, compile_options, backend, executable_devices)
-        return loaded[key]
-
-    compilation_cache.get_executable_and_time = get_executable_and_time
-
-
-_reuse_deserialized_executables()
+cache_reuse.install_when_jax_loads()

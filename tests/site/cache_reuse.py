@@ -1,0 +1,99 @@
+"""Two changes to how the tests' processes use jax's persistent compilation cache, so that
+the many short runs of the same tiny models pay for each program once. Neither changes a
+compiled program or a number: a hit is still a hit only where the cache holds the entry.
+
+- A program read from the cache is deserialized once per process (keyed by the entry's
+  bytes, so a miss, a hit and a torn entry are what the cache holds). Short runs otherwise
+  spend about a second each turning the same entries back into executables.
+- On CPU, the key's "accelerator config" is the devices' kinds, ids and process indices
+  instead of XLA:CPU's topology fingerprint. That fingerprint differs from process to
+  process of one multi-process job, so every process but 0 (the only writer) missed every
+  entry and compiled everything in every run. The device assignment stays in the key
+  (compile options), so a program compiled for another topology is never a hit.
+
+Both wrap jax 0.10.2's private functions; where those are missing nothing changes.
+"""
+
+import importlib.abc
+import sys
+
+_PATCHED = set()
+
+
+def _reuse_deserialized_executables(compilation_cache) -> None:
+    original = getattr(compilation_cache, "get_executable_and_time", None)
+    get_cache = getattr(compilation_cache, "_get_cache", None)
+    if original is None or get_cache is None:
+        return
+    loaded = {}
+
+    def get_executable_and_time(cache_key, compile_options, backend, executable_devices):
+        cache = get_cache(backend)
+        entry = None if cache is None else cache.get(cache_key)
+        if entry is None:
+            return original(cache_key, compile_options, backend, executable_devices)
+        import jax
+
+        # The entry's bytes are in the key: a torn or rewritten entry is read afresh.
+        key = (jax.config.jax_compilation_cache_dir, cache_key, hash(entry))
+        if key not in loaded:
+            loaded[key] = original(cache_key, compile_options, backend, executable_devices)
+        return loaded[key]
+
+    compilation_cache.get_executable_and_time = get_executable_and_time
+
+
+def _same_key_in_every_process(cache_key) -> None:
+    original = getattr(cache_key, "_hash_accelerator_config", None)
+    hash_string = getattr(cache_key, "_hash_string", None)
+    if original is None or hash_string is None:
+        return
+
+    def hash_accelerator_config(hash_obj, accelerators):
+        devices = list(accelerators.flat)
+        if not devices or any(d.platform != "cpu" for d in devices):
+            return original(hash_obj, accelerators)
+        for d in devices:
+            hash_string(hash_obj, f"{d.device_kind}:{d.id}:{d.process_index}")
+
+    cache_key._hash_accelerator_config = hash_accelerator_config
+
+
+_PATCHES = {"jax._src.compilation_cache": _reuse_deserialized_executables,
+            "jax._src.cache_key": _same_key_in_every_process}
+
+
+def _patch(name: str) -> None:
+    if name not in _PATCHED and name in sys.modules:
+        _PATCHED.add(name)
+        _PATCHES[name](sys.modules[name])
+
+
+class _AfterLoad(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the real loader of the modules in _PATCHES."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in _PATCHES or name in _PATCHED:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None and spec.loader is not None:
+                exec_module = spec.loader.exec_module
+
+                def exec_and_patch(module, exec_module=exec_module):
+                    exec_module(module)
+                    _patch(name)
+
+                spec.loader.exec_module = exec_and_patch
+                return spec
+        return None
+
+
+def install_when_jax_loads() -> None:
+    """Patches now what is already imported, and the rest as it is imported."""
+    for name in _PATCHES:
+        _patch(name)
+    if not any(isinstance(f, _AfterLoad) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterLoad())
