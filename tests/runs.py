@@ -170,12 +170,6 @@ def read_metrics(workdir) -> list[dict]:
 
 def checkpoint_arrays(workdir, step: int) -> dict:
     """A saved train state as host numpy arrays, whatever topology wrote it."""
-    import jax
-    import numpy as np
-    import orbax.checkpoint as ocp
+    from jdp.checkpoint import load_arrays
 
-    path = os.path.join(workdir, "checkpoints", str(step), "default")
-    checkpointer = ocp.PyTreeCheckpointer()
-    tree = checkpointer.metadata(path).item_metadata.tree
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+    return load_arrays(os.path.join(workdir, "checkpoints", str(step), "default"))

@@ -4,6 +4,7 @@ States are tiny pytrees shaped like the trainer's (params, BatchNorm-like model 
 real adamw state after one update, step, PRNG key) on the 8 CPU devices of conftest.py.
 """
 
+import contextlib
 import gc
 import os
 import re
@@ -19,13 +20,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from orbax.checkpoint._src.path import atomicity
 
-from jdp.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError, load_params
+from jdp.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointSaveError,
+    load_arrays,
+    load_params,
+)
 from runs import xla_flags
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -373,6 +381,53 @@ def test_restore_places_the_state_with_the_given_shardings(
     sharded = restore_layout is zero
     assert kernel.sharding.spec == (P("data") if sharded else P())
     assert len(kernel.addressable_shards) == restore_devices
+
+
+def _saved_arrays(item_dir: Path) -> dict:
+    """The arrays Orbax holds for a checkpoint item, by name, as plain Orbax lists them."""
+    with contextlib.closing(ocp.PyTreeCheckpointHandler()) as handler:
+        return ocp.tree.to_flat_dict(handler.metadata(item_dir).tree, sep="/")
+
+
+def test_small_replicated_leaves_are_saved_together_and_read_back_in_place(open_checkpointer,
+                                                                            ckpt_dir):
+    # The (16, 8) kernel and its Adam moments split over 8 devices, so they stay arrays
+    # of their own; every other param and moment is small and replicated, and goes into
+    # a pack of its dtype (Adam's count into int32's). The step and the key are never
+    # packed.
+    mesh = mesh_of(8)
+    state = placed(make_state(), lambda leaf: NamedSharding(
+        mesh, P("data") if leaf.shape == (16, 8) else P()))
+    checkpointer = open_checkpointer()
+    checkpointer.save(7, state)
+    checkpointer.wait()
+    item_dir = ckpt_dir / "7" / "default"
+    kernel = "Block_0/Dense_0/kernel"
+    assert sorted(_saved_arrays(item_dir)) == sorted([
+        f"params/{kernel}", f"opt_state/0/mu/{kernel}", f"opt_state/0/nu/{kernel}",
+        "packed/float32", "packed/int32", "step", "rng"])
+    # Read back whole (with the packs unpacked into their places), and restored onto
+    # replicated shardings, both bitwise the state that was saved.
+    on_disk = load_arrays(item_dir)
+    expected = jax.tree.map(np.asarray, state)
+    for name, leaf in ocp.tree.to_flat_dict(expected, sep="/").items():
+        got = ocp.tree.to_flat_dict(on_disk, sep="/")[name]
+        assert (got.dtype, got.tobytes()) == (leaf.dtype, leaf.tobytes()), name
+    assert_same_state(checkpointer.restore(7, abstract(state, replicated(mesh_of(4)))), state)
+
+
+def test_a_checkpoint_saved_without_packing_still_restores(ckpt_dir, open_checkpointer):
+    # Saved as plain Orbax saved the state before small arrays were packed: every leaf
+    # an array of its own, no index in the item's metadata.
+    state = placed(make_state(), replicated(mesh_of(8)))
+    with contextlib.closing(ocp.CheckpointManager(ckpt_dir)) as manager:
+        manager.save(7, args=ocp.args.StandardSave(state), force=True)
+        manager.wait_until_finished()
+    assert "packed/float32" not in _saved_arrays(ckpt_dir / "7" / "default")
+    checkpointer = open_checkpointer()
+    assert_same_state(checkpointer.restore(7, abstract(state, zero(mesh_of(8)))), state)
+    assert_same_state(load_params(ckpt_dir, abstract(state.params, replicated(mesh_of(2)))),
+                      state.params)
 
 
 # --- errors --------------------------------------------------------------------------

@@ -4,14 +4,17 @@ topology.
 `checkpointer` owns the directory of one run (saves, cadence, retention, restore),
 `resume` decides the state a run starts from (its newest readable checkpoint, else a
 fresh one, optionally with another run's params: `init_from`) and whether a workdir
-may be resumed with this config, `layout` matches saved arrays against the model's.
+may be resumed with this config, `layout` matches saved arrays against the model's,
+`packing` saves the small arrays together (and `load_arrays` reads a checkpoint back
+whole, for inspection).
 """
 
 from jdp.checkpoint.checkpointer import Checkpointer, check_best_metric
 from jdp.checkpoint.init_from import load_params
 from jdp.checkpoint.layout import CheckpointError, CheckpointSaveError, DamagedCheckpointError
+from jdp.checkpoint.packing import load_arrays
 
 CHECKPOINT_DIR = "checkpoints"  # inside the workdir
 
 __all__ = ["CHECKPOINT_DIR", "CheckpointError", "CheckpointSaveError", "Checkpointer",
-           "DamagedCheckpointError", "check_best_metric", "load_params"]
+           "DamagedCheckpointError", "check_best_metric", "load_arrays", "load_params"]

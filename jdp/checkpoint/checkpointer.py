@@ -22,7 +22,7 @@ from absl import logging
 from etils import epath
 from orbax.checkpoint.checkpoint_manager import DEFAULT_ITEM_NAME
 
-from jdp.checkpoint import layout
+from jdp.checkpoint import layout, packing
 from jdp.checkpoint.layout import CheckpointError, CheckpointSaveError, PyTree
 from jdp.errors import ConfigError, first_line
 from jdp.runtime import storage
@@ -150,9 +150,10 @@ class Checkpointer:
         # force=True: the decision above is ours, the same on every process without I/O
         # (Orbax's own policy would also save the first step of every run).
         try:
+            tree, custom_metadata = packing.pack(state)
             return self._manager.save(
-                step, args=ocp.args.StandardSave(state), metrics=metrics, force=True
-            )
+                step, args=ocp.args.StandardSave(tree, custom_metadata=custom_metadata),
+                metrics=metrics, force=True)
         except Exception as error:  # the previous save's failure surfaces here too
             raise self._save_failed(step, error) from error
 
@@ -175,21 +176,29 @@ class Checkpointer:
                 f"steps: {sorted(steps)}); restore one of those."
             )
         item_dir = self.directory / str(step) / DEFAULT_ITEM_NAME
-        saved, expected = layout.saved_shapes(item_dir), layout.expected_shapes(abstract_state)
+        saved, index = layout.saved_layout(item_dir)
+        expected = layout.expected_shapes(abstract_state)
         reset = [field for field in fresh or {}
                  if layout.within(saved, field) != layout.within(expected, field)]
         layout.check_matches(layout.without(saved, reset), layout.without(expected, reset),
                              item_dir)
         try:
             if not reset:
-                return self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+                if index is None:  # saved before small arrays were packed
+                    return self._manager.restore(
+                        step, args=ocp.args.StandardRestore(abstract_state))
+                with contextlib.closing(ocp.PyTreeCheckpointHandler()) as handler:
+                    return packing.restore(handler, item_dir, abstract_state, index)
             target = {field.name: getattr(abstract_state, field.name)
                       for field in dataclasses.fields(abstract_state) if field.name not in reset}
             with contextlib.closing(ocp.PyTreeCheckpointHandler()) as handler:
-                restored = handler.restore(item_dir, args=ocp.args.PyTreeRestore(
-                    item=target,
-                    restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                    partial_restore=True))
+                if index is not None:
+                    restored = packing.restore(handler, item_dir, target, index)
+                else:
+                    restored = handler.restore(item_dir, args=ocp.args.PyTreeRestore(
+                        item=target,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                        partial_restore=True))
         except Exception as error:  # typically array files damaged behind intact metadata
             raise layout.unreadable(item_dir, error) from error
         for field in reset:

@@ -9,7 +9,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint.checkpoint_manager import DEFAULT_ITEM_NAME
 
-from jdp.checkpoint import layout
+from jdp.checkpoint import layout, packing
 from jdp.checkpoint.layout import CheckpointError, PyTree
 
 
@@ -20,18 +20,17 @@ def load_params(path: str | os.PathLike, abstract_params: PyTree) -> PyTree:
     directory in it. Names and shapes must match the model's exactly.
     """
     item_dir = _params_item_dir(epath.Path(path))
-    saved = {name: shape for name, shape in layout.saved_shapes(item_dir).items()
-             if name.startswith("params/")}
+    shapes, index = layout.saved_layout(item_dir)
+    saved = {name: shape for name, shape in shapes.items() if name.startswith("params/")}
     target = {"params": abstract_params}
     layout.check_matches(saved, layout.expected_shapes(target), item_dir)
-    args = ocp.args.PyTreeRestore(
-        item=target,
-        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=True,  # leave the optimizer state and the rest on disk
-    )
     try:
         with contextlib.closing(ocp.PyTreeCheckpointHandler()) as handler:
-            return handler.restore(item_dir, args=args)["params"]
+            if index is not None:  # the optimizer state and the rest stay on disk
+                return packing.restore(handler, item_dir, target, index)["params"]
+            return handler.restore(item_dir, args=ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                partial_restore=True))["params"]
     except Exception as error:
         raise layout.unreadable(item_dir, error) from error
 

@@ -10,6 +10,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jdp.checkpoint import packing
 from jdp.errors import first_line
 
 PyTree = Any
@@ -27,14 +28,18 @@ class CheckpointSaveError(CheckpointError):
     """A save that failed (disk full, permissions); the previous checkpoint is intact."""
 
 
-def saved_shapes(item_dir: epath.Path) -> dict[str, tuple[int, ...]]:
-    """Shape of every array in a checkpoint item, by path (`params/Dense_0/kernel`)."""
+def saved_layout(item_dir: epath.Path) -> tuple[dict[str, tuple[int, ...]], dict | None]:
+    """(shape of every array of the state saved in a checkpoint item, by path
+    (`params/Dense_0/kernel`), the packed small ones included; the item's pack index,
+    None if it was saved without packing)."""
     try:
         with contextlib.closing(ocp.PyTreeCheckpointHandler()) as handler:
-            tree = handler.metadata(item_dir).tree
+            metadata = handler.metadata(item_dir)
     except Exception as error:  # no or unreadable _METADATA although the step is complete
         raise unreadable(item_dir, error) from error
-    return {name: tuple(leaf.shape) for name, leaf in _flat(tree).items()}
+    index = packing.read_index(metadata)
+    saved = {name: tuple(leaf.shape) for name, leaf in _flat(metadata.tree).items()}
+    return packing.logical_shapes(saved, index), index
 
 
 def expected_shapes(abstract: PyTree) -> dict[str, tuple[int, ...]]:
@@ -79,7 +84,7 @@ def _stored_shape(leaf: Any) -> tuple[int, ...]:
 
 def _flat(tree: PyTree) -> dict[str, Any]:
     # Orbax's own naming of the saved tree, so both sides spell paths the same way.
-    return ocp.tree.to_flat_dict(tree, sep="/")
+    return packing.flat(tree)
 
 
 def _some(names: list[str], limit: int = 5) -> str:
