@@ -1,5 +1,6 @@
 """Helpers for tests that run the real trainer in-process with tiny settings."""
 
+import functools
 import json
 import os
 import subprocess
@@ -86,8 +87,10 @@ def prepared_step(path: str, *overrides: str, devices=None, global_batch_size=12
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@functools.cache
 def load_launcher():
-    """launch/local.py as a module (a script, not part of the jdp package)."""
+    """launch/local.py as a module (a script, not part of the jdp package), loaded once:
+    xla_flags asks for it for every process a test starts."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(

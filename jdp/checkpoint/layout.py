@@ -38,12 +38,13 @@ def saved_layout(item_dir: epath.Path) -> tuple[dict[str, tuple[int, ...]], dict
     except Exception as error:  # no or unreadable _METADATA although the step is complete
         raise unreadable(item_dir, error) from error
     index = packing.read_index(metadata)
-    saved = {name: tuple(leaf.shape) for name, leaf in _flat(metadata.tree).items()}
+    saved = {name: tuple(leaf.shape) for name, leaf in packing.flat(metadata.tree).items()}
     return packing.logical_shapes(saved, index), index
 
 
 def expected_shapes(abstract: PyTree) -> dict[str, tuple[int, ...]]:
-    return {name: _stored_shape(leaf) for name, leaf in _flat(abstract).items()}
+    # Orbax's own naming of the saved tree, so both sides spell paths the same way.
+    return {name: _stored_shape(leaf) for name, leaf in packing.flat(abstract).items()}
 
 
 def within(shapes: dict[str, tuple[int, ...]], field: str) -> dict[str, tuple[int, ...]]:
@@ -80,11 +81,6 @@ def _stored_shape(leaf: Any) -> tuple[int, ...]:
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
         return tuple(jax.eval_shape(jax.random.key_data, leaf).shape)
     return tuple(leaf.shape)
-
-
-def _flat(tree: PyTree) -> dict[str, Any]:
-    # Orbax's own naming of the saved tree, so both sides spell paths the same way.
-    return packing.flat(tree)
 
 
 def _some(names: list[str], limit: int = 5) -> str:
