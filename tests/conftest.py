@@ -1,6 +1,8 @@
-"""Test set-up: 8 CPU devices in every test process, set before jax is imported."""
+"""Test set-up: 8 CPU devices in every test process, set before jax is imported, and the
+order in which `pytest -n` hands test modules to its workers."""
 
 import atexit
+import collections
 import os
 import shutil
 import sys
@@ -23,9 +25,14 @@ if "TFDS_DATA_DIR" not in os.environ:
     os.environ["TFDS_DATA_DIR"] = tempfile.mkdtemp(prefix="jdp-tfds-")
 
 # One compilation cache for the session, inherited by every `python -m jdp.main` the
-# tests start: the same tiny models compile once, and nothing lands in ~/.cache.
-os.environ["JDP_COMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="jdp-compile-cache-")
-atexit.register(shutil.rmtree, os.environ["JDP_COMPILE_CACHE_DIR"], ignore_errors=True)
+# tests start: the same tiny models compile once, and nothing lands in ~/.cache. The
+# workers of `pytest -n` use their controller's, which removes it at the end.
+if "PYTEST_XDIST_WORKER" in os.environ and "JDP_TESTS_COMPILE_CACHE_DIR" in os.environ:
+    os.environ["JDP_COMPILE_CACHE_DIR"] = os.environ["JDP_TESTS_COMPILE_CACHE_DIR"]
+else:
+    os.environ["JDP_COMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="jdp-compile-cache-")
+    os.environ["JDP_TESTS_COMPILE_CACHE_DIR"] = os.environ["JDP_COMPILE_CACHE_DIR"]
+    atexit.register(shutil.rmtree, os.environ["JDP_COMPILE_CACHE_DIR"], ignore_errors=True)
 
 
 # Every Python process a test starts loads tests/site/sitecustomize.py, and this one
@@ -39,3 +46,13 @@ sys.path.insert(0, _SITE)
 import cache_reuse  # noqa: E402
 
 cache_reuse.install_when_jax_loads()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The modules with the most multi-process and end-to-end tests (marked slow) first.
+    Under `pytest -n` (pyproject's addopts) each module runs whole on one worker, in this
+    order, as workers come free: a long module that started last would run alone at the
+    end while the other workers idle. Within a module the order is the file's."""
+    slow = collections.Counter(item.module.__name__ for item in items
+                               if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.module.__name__])  # stable: modules stay whole

@@ -125,6 +125,16 @@ def start_main(*args, devices=8, **popen) -> subprocess.Popen:
     return subprocess.Popen(main_command(*args), cwd=REPO, env=main_env(devices), **popen)
 
 
+def run_two_processes(command, devices_per_process: int = 4,
+                      timeout: float = 600) -> subprocess.CompletedProcess:
+    """`launch/local.py --num_processes=2 -- COMMAND`, from the repository root: one job of
+    2 processes over loopback, each with `devices_per_process` CPU devices."""
+    return subprocess.run(
+        [sys.executable, "launch/local.py", "--num_processes=2",
+         f"--devices_per_process={devices_per_process}", "--", *command],
+        cwd=REPO, env=main_env(), capture_output=True, text=True, timeout=timeout)
+
+
 def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.02) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():

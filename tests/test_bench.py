@@ -46,6 +46,7 @@ def test_every_subcommand_has_a_smoke_test():
     assert sorted([*TINY, *OWN_TEST]) == sorted(SUBCOMMANDS)
 
 
+@pytest.mark.slow  # each runs a whole benchmark, its loops compiled and timed
 @pytest.mark.parametrize("name", sorted(set(SUBCOMMANDS) - OWN_TEST))
 def test_subcommand_runs_and_prints_its_summary_last(name, capsys, tmp_path):
     argv, summary = TINY[name]

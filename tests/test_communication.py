@@ -84,10 +84,12 @@ def flat_run(tmp_path_factory):
     return train(VIT, tmp_path_factory.mktemp("flat"), *STEPS)
 
 
+@pytest.mark.slow
 def test_two_level_float32_follows_the_flat_trajectory(flat_run, tmp_path):
     assert_same_trajectory(train(VIT, tmp_path, *STEPS, *TWO_HOSTS), flat_run)
 
 
+@pytest.mark.slow
 def test_two_level_with_batchnorm_and_accumulation_follows_the_flat_trajectory(tmp_path):
     # BatchNorm's statistics over jdp.DATA_AXIS = (hosts, local) span both hosts; its
     # statistics are per micro-batch, so both runs accumulate over 2.
@@ -114,12 +116,14 @@ def int8_runs(tmp_path_factory):
             ]}
 
 
+@pytest.mark.slow
 def test_int8_with_error_feedback_ends_at_the_uncompressed_accuracy(int8_runs):
     full = int8_runs["float32"][0].eval_metrics["eval/accuracy"]
     int8 = int8_runs["int8"][0].eval_metrics["eval/accuracy"]
     assert abs(int8 - full) <= 0.01, (int8, full)
 
 
+@pytest.mark.slow
 def test_int8_error_feedback_keeps_the_run_on_the_uncompressed_path(int8_runs):
     # Without feedback what int8 rounds away (values far below their block's largest)
     # is lost at every step; the run drifts measurably further from the uncompressed
@@ -176,6 +180,7 @@ def test_error_feedback_sends_over_steps_what_int8_rounds_away(feedback):
         assert error > 0.9 * true[small].max(), error  # the small values are all lost
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     TWO_HOSTS,
     # FSDP inside hosts: its leaves held whole by every device of a host must stay
@@ -202,6 +207,7 @@ def test_an_int8_run_resumes_bitwise_with_its_residuals(tmp_path, layout):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_a_resume_on_another_topology_starts_the_residuals_at_zero(tmp_path, caplog):
     settings = (*STEPS, *TWO_HOSTS, "--config.parallel.cross_host_reduce=int8",
                 "--config.checkpoint.every_steps=6")
@@ -304,15 +310,18 @@ def fsdp_host_run(tmp_path_factory):
             workdir)
 
 
+@pytest.mark.slow
 def test_hybrid_fsdp_follows_the_flat_trajectory(flat_run, fsdp_host_run):
     assert_same_trajectory(fsdp_host_run[:2], flat_run)
 
 
+@pytest.mark.slow
 def test_hybrid_zero1_with_accumulation_follows_the_flat_trajectory(flat_run, tmp_path):
     assert_same_trajectory(
         train(VIT, tmp_path, *STEPS, *HYBRID["zero1"], "--config.grad_accum_steps=4"), flat_run)
 
 
+@pytest.mark.slow
 def test_a_hybrid_checkpoint_resumes_replicated_on_one_host(flat_run, fsdp_host_run, tmp_path):
     """Saved sharded inside 2 hosts, restored replicated on one: the same trajectory.
     (The reverse, replicated to hybrid across two processes: test_multihost.py.)"""

@@ -4,15 +4,21 @@ the state they read is that step's; a failing hook stops the run naming it; and 
 that reads nothing costs the loop no device read."""
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 
 from jdp.hooks import Hook
-from runs import REPO, checkpoint_arrays, main_env, read_metrics, run_main, train
+from runs import (
+    REPO,
+    checkpoint_arrays,
+    main_command,
+    read_metrics,
+    run_main,
+    run_two_processes,
+    train,
+)
 
 TINY = ("--config.batch_size=32", "--config.total_steps=12", "--config.warmup_steps=2",
         "--config.log_every_steps=4", "--config.eval_batch_size=32")
@@ -198,11 +204,8 @@ def test_hooks_that_issue_collectives_run_alike_on_two_processes(experiment, tmp
                     f.write(json.dumps(np.asarray(steps).ravel().tolist()) + "\\n")
             return [Hook(gather, every=4)]
     '''))
-    launched = subprocess.run(
-        [sys.executable, "launch/local.py", "--num_processes=2", "--devices_per_process=4",
-         "--", sys.executable, "-m", "jdp.main", f"--config={collective}",
-         f"--workdir={tmp_path / 'run'}", *TINY],
-        cwd=REPO, env=main_env(4), capture_output=True, text=True, timeout=600)
+    launched = run_two_processes(main_command(f"--config={collective}",
+                                              f"--workdir={tmp_path / 'run'}", *TINY))
     assert launched.returncode == 0, launched.stderr[-3000:]
     for process in (0, 1):
         lines = (tmp_path / "run" / f"gather_{process}").read_text().splitlines()

@@ -356,7 +356,18 @@ EXIT_ON_SIGTERM_IN_FIRST_RUN = """
         time.sleep(JOB_TIMEOUT_S)
         sys.exit(1)  # no SIGTERM came
 """
+# Every task exits STATUS, as every survivor of a lost peer does. The tasks meet first,
+# and a task that srun ends (--kill-on-bad-exit sends SIGTERM to the others when the
+# first exits) reports STATUS too, not 143: the step's status must not depend on which
+# task a loaded machine ran first.
 EXIT_ALWAYS = """
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(STATUS))
+    run = os.environ.get("SLURM_RESTART_COUNT", "0")
+    (DIR / f"exiting.{run}.{task}").touch()
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while (len(list(DIR.glob(f"exiting.{run}.*"))) < int(os.environ["SLURM_NTASKS"])
+           and time.monotonic() < deadline):
+        time.sleep(0.01)
     sys.exit(STATUS)
 """
 

@@ -19,9 +19,11 @@ from runs import (
     assert_same_trajectory,
     checkpoint_arrays,
     losses,
+    main_command,
     main_env,
     read_metrics,
     run_main,
+    run_two_processes,
     train,
 )
 
@@ -70,11 +72,8 @@ def test_packed_text_follows_one_trajectory_on_1_and_8_devices(corpus, eight_dev
 def test_packed_text_follows_one_trajectory_on_2_processes_of_4_devices(corpus, eight_devices,
                                                                        tmp_path):
     _, (_, records) = eight_devices
-    launched = subprocess.run(
-        [sys.executable, "launch/local.py", "--num_processes=2", "--devices_per_process=4",
-         "--", sys.executable, "-m", "jdp.main", f"--config={GPT}", f"--workdir={tmp_path}",
-         *settings(corpus)],
-        cwd=REPO, env=main_env(4), capture_output=True, text=True, timeout=600)
+    launched = run_two_processes(main_command(f"--config={GPT}", f"--workdir={tmp_path}",
+                                              *settings(corpus)))
     assert launched.returncode == 0, launched.stderr[-3000:]
     two, reference = losses(read_metrics(tmp_path)), losses(records)
     assert sorted(two) == sorted(reference) == [3, 6, 9, 12]

@@ -19,7 +19,7 @@ from jdp.errors import ConfigError
 from jdp.experiment import loader
 from jdp.tune import footprint, result
 from jdp.tune.search import Options, tune
-from runs import REPO, RTOL, load_config, losses, main_env, train
+from runs import REPO, RTOL, load_config, losses, main_env, run_two_processes, train
 
 VIT = "experiments/vit.py"
 # Logged at every step, so that the tuned run's losses can be compared step by step.
@@ -214,11 +214,8 @@ def test_the_ranking_is_by_measured_speed(tmp_path):
 @pytest.mark.slow
 def test_two_processes_agree_on_the_winner_and_only_process_0_writes(tmp_path):
     workdir = tmp_path / "tune"
-    proc = subprocess.run(
-        [sys.executable, "launch/local.py", "--num_processes=2", "--devices_per_process=4",
-         "--", *tune_command(f"--config={VIT}", f"--workdir={workdir}", *TINY,
-                             "--search=reduction", "--trial_steps=8")],
-        cwd=REPO, env=main_env(), capture_output=True, text=True, timeout=600)
+    proc = run_two_processes(tune_command(f"--config={VIT}", f"--workdir={workdir}", *TINY,
+                                          "--search=reduction", "--trial_steps=8"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     winners = sorted(line for line in proc.stdout.splitlines() if "winner #" in line)
     assert [line.split(" ", 1)[0] for line in winners] == ["[p0]", "[p1]"]
