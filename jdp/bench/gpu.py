@@ -98,8 +98,8 @@ def run_tests(test_files: tuple[str, ...], timeout_s: float) -> dict:
         import xdist  # noqa: F401 - pytest-xdist: spread the files over the cores
 
         argv += ["-n", str(max(1, min(4, (os.cpu_count() or 1) // 4)))]
-    except ImportError:
-        pass
+    except ImportError:  # pyproject's addopts ask for workers, which need xdist: run serially
+        argv += ["-o", "addopts=-ra"]
     start = time.perf_counter()
     try:
         proc = subprocess.run(argv, cwd=_REPO, env=env, capture_output=True, text=True,
