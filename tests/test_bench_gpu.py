@@ -36,3 +36,14 @@ def test_the_smoke_run_measures_every_part_and_writes_json_and_a_table(tmp_path)
     assert by_name["smoke_vit"]["tokens_per_s"] is None
     table = (tmp_path / "gpu_bench.txt").read_text()
     assert "smoke_vit settings on" in table and "minimal loop" in table
+
+
+def test_without_xdist_the_tests_run_serially_despite_pyprojects_workers(monkeypatch):
+    """The GPU image lacks pytest-xdist: pyproject's `-n 4` must not fail the check."""
+    from jdp.bench import gpu
+
+    monkeypatch.setitem(sys.modules, "xdist", None)  # `import xdist` raises ImportError
+    result = gpu.run_tests(("tests/test_lint.py",), timeout_s=300)
+    assert result["returncode"] == 0, result["tail"]
+    assert result["counts"] == {"passed": 1}
+    assert "bringing up nodes" not in result["tail"]
