@@ -26,12 +26,10 @@ if "TFDS_DATA_DIR" not in os.environ:
 
 # One compilation cache for the session, inherited by every `python -m jdp.main` the
 # tests start: the same tiny models compile once, and nothing lands in ~/.cache. The
-# workers of `pytest -n` use their controller's, which removes it at the end.
-if "PYTEST_XDIST_WORKER" in os.environ and "JDP_TESTS_COMPILE_CACHE_DIR" in os.environ:
-    os.environ["JDP_COMPILE_CACHE_DIR"] = os.environ["JDP_TESTS_COMPILE_CACHE_DIR"]
-else:
+# workers of `pytest -n` inherit their controller's (set here before it starts them),
+# which removes it at the end.
+if "PYTEST_XDIST_WORKER" not in os.environ:
     os.environ["JDP_COMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="jdp-compile-cache-")
-    os.environ["JDP_TESTS_COMPILE_CACHE_DIR"] = os.environ["JDP_COMPILE_CACHE_DIR"]
     atexit.register(shutil.rmtree, os.environ["JDP_COMPILE_CACHE_DIR"], ignore_errors=True)
 
 

@@ -125,14 +125,18 @@ def start_main(*args, devices=8, **popen) -> subprocess.Popen:
     return subprocess.Popen(main_command(*args), cwd=REPO, env=main_env(devices), **popen)
 
 
+def two_processes_command(command, devices_per_process: int = 4, *launcher_flags: str):
+    """`launch/local.py --num_processes=2 [FLAGS] -- COMMAND`: one job of 2 processes over
+    loopback, each with `devices_per_process` CPU devices."""
+    return [sys.executable, "launch/local.py", "--num_processes=2",
+            f"--devices_per_process={devices_per_process}", *launcher_flags, "--", *command]
+
+
 def run_two_processes(command, devices_per_process: int = 4,
                       timeout: float = 600) -> subprocess.CompletedProcess:
-    """`launch/local.py --num_processes=2 -- COMMAND`, from the repository root: one job of
-    2 processes over loopback, each with `devices_per_process` CPU devices."""
-    return subprocess.run(
-        [sys.executable, "launch/local.py", "--num_processes=2",
-         f"--devices_per_process={devices_per_process}", "--", *command],
-        cwd=REPO, env=main_env(), capture_output=True, text=True, timeout=timeout)
+    """`two_processes_command(COMMAND)` run to its end from the repository root."""
+    return subprocess.run(two_processes_command(command, devices_per_process), cwd=REPO,
+                          env=main_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.02) -> None:
@@ -152,8 +156,7 @@ def run_killing_one_trainer(main_args, *, max_restarts: int, reached, timeout_s:
     import signal
 
     launcher = subprocess.Popen(
-        [sys.executable, "launch/local.py", "--num_processes=2", "--devices_per_process=4",
-         f"--max_restarts={max_restarts}", "--", *main_command(*main_args)],
+        two_processes_command(main_command(*main_args), 4, f"--max_restarts={max_restarts}"),
         cwd=REPO, env=main_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: reached() or launcher.poll() is not None, timeout_s, "the kill point",
