@@ -241,6 +241,16 @@ def test_explicit_settings_turn_off_jax_cluster_detection(no_cluster):
     distributed.initialize(None, None, None, environ=JDP_ENV)
     [(args, kwargs)] = calls
     assert args == ("10.0.0.1:1234", 4, 3) and kwargs["cluster_detection_method"] == "deactivate"
+    assert kwargs["coordinator_bind_address"] is None  # jax's default: every interface
+
+
+@pytest.mark.parametrize("address, bind", [
+    ("127.0.0.1:1234", "127.0.0.1:1234"), ("localhost:80", "localhost:80"),
+    ("[::1]:1234", "[::1]:1234"), ("10.0.0.1:1234", None), ("node-0:1234", None), (None, None)])
+def test_a_loopback_coordinator_listens_on_loopback_only(address, bind):
+    """Processes of one machine (launch/local.py) are served on the loopback interface,
+    not on every interface of the machine; other hosts need jax's default."""
+    assert distributed.loopback_bind_address(address) == bind
 
 
 def test_check_same_is_a_no_op_for_one_process():

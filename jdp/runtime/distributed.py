@@ -144,6 +144,20 @@ def _complete(
     return Launch(source, coordinator_address, num_processes, process_id)
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def loopback_bind_address(coordinator_address: str | None) -> str | None:
+    """Where process 0's coordination service listens: on the loopback interface alone
+    when the job's coordinator address is a loopback one (every process on this
+    machine, as launch/local.py runs them), else None, jax's default of every
+    interface, which the other hosts need to reach it."""
+    if coordinator_address is None:
+        return None
+    host, _, port = coordinator_address.rpartition(":")
+    return coordinator_address if host.strip("[]") in LOOPBACK_HOSTS else None
+
+
 def _detect_cluster() -> type[jax_compat.ClusterEnv] | None:
     """The cluster environment a bare `jax.distributed.initialize()` would use, if any.
 
@@ -203,6 +217,7 @@ def initialize(
             initialization_timeout=math.ceil(timeout_s),
             heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
             shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S,
+            coordinator_bind_address=loopback_bind_address(launch.coordinator_address),
         )
     finally:
         give_up.cancel()
