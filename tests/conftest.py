@@ -32,6 +32,14 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
     os.environ["JDP_COMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="jdp-compile-cache-")
     atexit.register(shutil.rmtree, os.environ["JDP_COMPILE_CACHE_DIR"], ignore_errors=True)
 
+# In a multi-process job only process 0 compiles each program; the others wait for it
+# and load the same executable (jax's own sharing through the coordination service).
+# Real hosts compile side by side at no cost in time; here the job's processes share
+# 2 cores. cache_reuse.py keys a program alike in every process, so the others find
+# it (a process that traced another program waits on a key that never comes, and
+# fails after the timeout: a divergence still shows).
+os.environ.setdefault("JAX_SHARE_BINARY_BETWEEN_HOSTS", "true")
+os.environ.setdefault("JAX_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS", "240000")
 
 # Every Python process a test starts loads tests/site/sitecustomize.py, and this one
 # installs the same: the compilation cache's entries are deserialized once per process
