@@ -14,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax
-from flax import nnx
+
+if TYPE_CHECKING:
+    from flax import nnx
 
 Params = Any
 ModelState = Any
@@ -52,6 +54,8 @@ def from_linen(module: nn.Module) -> Model:
 
 def from_nnx(factory: Callable[[nnx.Rngs], nnx.Module]) -> Model:
     """An NNX module built by `factory(rngs)`, switched with .train()/.eval()."""
+    from flax import nnx  # imported by NNX experiments only: a fifth of a second to load
+
     graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))), nnx.Param, ...)
 
     # Params and state cross jit boundaries as pure dicts of arrays: NNX Variable
