@@ -154,8 +154,8 @@ def loopback_bind_address(coordinator_address: str | None) -> str | None:
     interface, which the other hosts need to reach it."""
     if coordinator_address is None:
         return None
-    host, _, port = coordinator_address.rpartition(":")
-    return coordinator_address if host.strip("[]") in LOOPBACK_HOSTS else None
+    host = coordinator_address.rpartition(":")[0].strip("[]")
+    return coordinator_address if host in LOOPBACK_HOSTS else None
 
 
 def _detect_cluster() -> type[jax_compat.ClusterEnv] | None:
