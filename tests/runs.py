@@ -100,6 +100,11 @@ def load_launcher():
     return module
 
 
+def free_port() -> int:
+    """A free port on 127.0.0.1, picked as launch/local.py picks its coordinator's."""
+    return load_launcher().free_port()
+
+
 def xla_flags(devices: int) -> str:
     """This session's XLA_FLAGS (tests/conftest.py's, or the caller's own) with `devices`
     CPU devices, as launch/local.py sets them: every process of the tests compiles with

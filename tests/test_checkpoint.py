@@ -9,7 +9,6 @@ import gc
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -34,7 +33,7 @@ from jdp.checkpoint import (
     load_arrays,
     load_params,
 )
-from runs import xla_flags
+from runs import free_port, xla_flags
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -630,12 +629,6 @@ TWO_PROCESS_WORKER = textwrap.dedent(
     jax.distributed.shutdown()
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import jax
 import pytest
 
 from jdp.runtime import distributed, watchdog
-from runs import xla_flags
+from runs import free_port, xla_flags
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,12 +36,6 @@ _SLURM_TASK_1_OF_2 = {
 
 
 # -- helpers for multi-process tests ---------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass

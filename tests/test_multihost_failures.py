@@ -6,7 +6,6 @@ uninterrupted, and a job that lost a host resumes smaller on the same example st
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from jdp.runtime import exit_codes
 from runs import (
     REPO,
     checkpoint_arrays,
+    free_port,
     logged_steps,
     losses,
     main_command,
@@ -32,12 +32,6 @@ from runs import (
 pytestmark = pytest.mark.slow
 
 VIT = "experiments/vit.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_processes(workdir, per_process_args, devices_per_process=4):
