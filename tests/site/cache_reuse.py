@@ -10,8 +10,12 @@ compiled program or a number: a hit is still a hit only where the cache holds th
   process of one multi-process job, so every process but 0 (the only writer) missed every
   entry and compiled everything in every run. The device assignment stays in the key
   (compile options), so a program compiled for another topology is never a hit.
+- Where jax shares compiled programs between the processes of a job (tests/conftest.py
+  turns that on), process 0 also publishes a program it read from the cache. jax
+  publishes only what process 0 compiled: when another test's job wrote the entry between
+  process 1's miss and process 0's read, process 1 waited for a program that never came.
 
-Both wrap jax 0.10.2's private functions; where those are missing nothing changes.
+All three wrap jax 0.10.2's private functions; where those are missing nothing changes.
 """
 
 import importlib.abc
@@ -38,9 +42,36 @@ def _reuse_deserialized_executables(compilation_cache) -> None:
         key = (jax.config.jax_compilation_cache_dir, cache_key, hash(entry))
         if key not in loaded:
             loaded[key] = original(cache_key, compile_options, backend, executable_devices)
+        if loaded[key][0] is not None:
+            _publish_for_the_other_processes(compilation_cache, cache_key, entry,
+                                             executable_devices)
         return loaded[key]
 
     compilation_cache.get_executable_and_time = get_executable_and_time
+
+
+_PUBLISHED = set()
+
+
+def _publish_for_the_other_processes(compilation_cache, cache_key, entry, executable_devices):
+    """What jax's compiler does after process 0 compiles a program of a multi-process job
+    with `jax_share_binary_between_hosts` on, done here for a program read from the cache
+    (`entry`, the cache's bytes): the other processes may have missed the entry and be
+    waiting for process 0's copy."""
+    from jax._src import config, distributed
+
+    client = distributed.global_state.client
+    if cache_key in _PUBLISHED or client is None or not config.share_binary_between_hosts.value:
+        return
+    devices = list(executable_devices)
+    first = min(devices, key=lambda d: d.id).process_index
+    if len({d.process_index for d in devices}) < 2 or first != distributed.global_state.process_id:
+        return
+    serialized, _ = compilation_cache.extract_executable_and_time(
+        compilation_cache.decompress_executable(entry))
+    client.key_value_set_bytes(cache_key, compilation_cache.compress_executable(serialized),
+                               allow_overwrite=True)
+    _PUBLISHED.add(cache_key)
 
 
 def _same_key_in_every_process(cache_key) -> None:
