@@ -35,17 +35,21 @@ def _reuse_deserialized_executables(compilation_cache) -> None:
         cache = get_cache(backend)
         entry = None if cache is None else cache.get(cache_key)
         if entry is None:
-            return original(cache_key, compile_options, backend, executable_devices)
-        import jax
+            found = original(cache_key, compile_options, backend, executable_devices)
+            if found[0] is not None:  # another job wrote the entry since: a hit all the same
+                entry = cache.get(cache_key)
+        else:
+            import jax
 
-        # The entry's bytes are in the key: a torn or rewritten entry is read afresh.
-        key = (jax.config.jax_compilation_cache_dir, cache_key, hash(entry))
-        if key not in loaded:
-            loaded[key] = original(cache_key, compile_options, backend, executable_devices)
-        if loaded[key][0] is not None:
+            # The entry's bytes are in the key: a torn or rewritten entry is read afresh.
+            key = (jax.config.jax_compilation_cache_dir, cache_key, hash(entry))
+            if key not in loaded:
+                loaded[key] = original(cache_key, compile_options, backend, executable_devices)
+            found = loaded[key]
+        if found[0] is not None and entry is not None:
             _publish_for_the_other_processes(compilation_cache, cache_key, entry,
                                              executable_devices)
-        return loaded[key]
+        return found
 
     compilation_cache.get_executable_and_time = get_executable_and_time
 
@@ -56,8 +60,9 @@ _PUBLISHED = set()
 def _publish_for_the_other_processes(compilation_cache, cache_key, entry, executable_devices):
     """What jax's compiler does after process 0 compiles a program of a multi-process job
     with `jax_share_binary_between_hosts` on, done here for a program read from the cache
-    (`entry`, the cache's bytes): the other processes may have missed the entry and be
-    waiting for process 0's copy."""
+    (`entry`, the cache's bytes; on CPU an executable loaded from the cache cannot be
+    serialized again): the other processes may have missed the entry and be waiting for
+    process 0's copy."""
     from jax._src import config, distributed
 
     client = distributed.global_state.client
