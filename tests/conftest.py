@@ -8,17 +8,13 @@ import shutil
 import sys
 import tempfile
 
-# XLA:CPU's code generation at optimisation level 1 instead of 2, without LLVM's
-# expensive passes: compiling is about half the suite's CPU time, and these make it
-# cheaper. Level 1: a 12-step ViT run from an empty compilation cache took 16.7 s
-# against 20.3 s. Without the expensive passes: 8.5-9.4 CPU-s against 11.9-14.1 for the
-# same run, and at 300 steps 14.2 ms/step against 14.6. With both, the losses and the
-# evaluation are the same to the last digit; level 0 changes the numbers. Every process
-# a test starts gets the same flags (runs.xla_flags), so runs compared bitwise are
-# compiled alike.
+# XLA:CPU's code generation at optimisation level 1 instead of 2: the tests' compiles
+# take about half the time (a 12-step ViT run from an empty compilation cache: 16.7 s
+# against 20.3 s, its losses and evaluation the same to the last digit; level 0 changes
+# the numbers). Every process a test starts gets the same flags (runs.xla_flags), so
+# runs compared bitwise are compiled alike.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                                   "--xla_backend_optimization_level=1 "
-                                   "--xla_llvm_disable_expensive_passes=true")
+                                   "--xla_backend_optimization_level=1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A test started inside a SLURM allocation must not join that job.
 for _name in [n for n in os.environ if n.startswith("SLURM_")]:
