@@ -120,10 +120,23 @@ def main_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "jdp.main", *args]
 
 
+def run_to_end(command, *, env, timeout: float) -> subprocess.CompletedProcess:
+    """`command` run from the repository root with its output captured. Past `timeout`
+    it is killed and the test fails with the end of what it printed, so that a run that
+    hangs in CI says where."""
+    try:
+        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        printed = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part
+                          for part in (e.stdout or "", e.stderr or ""))
+        raise AssertionError(f"killed after {timeout} s: {' '.join(command)}\n"
+                             f"... its last output:\n{printed[-6000:]}") from None
+
+
 def run_main(*args, devices=8, timeout=300) -> subprocess.CompletedProcess:
     """`python -m jdp.main ARGS` as a user runs it, from the repository root."""
-    return subprocess.run(main_command(*args), cwd=REPO, env=main_env(devices),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_to_end(main_command(*args), env=main_env(devices), timeout=timeout)
 
 
 def start_main(*args, devices=8, **popen) -> subprocess.Popen:
@@ -140,8 +153,8 @@ def two_processes_command(command, devices_per_process: int = 4, *launcher_flags
 def run_two_processes(command, devices_per_process: int = 4,
                       timeout: float = 600) -> subprocess.CompletedProcess:
     """`two_processes_command(COMMAND)` run to its end from the repository root."""
-    return subprocess.run(two_processes_command(command, devices_per_process), cwd=REPO,
-                          env=main_env(), capture_output=True, text=True, timeout=timeout)
+    return run_to_end(two_processes_command(command, devices_per_process), env=main_env(),
+                      timeout=timeout)
 
 
 def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.02) -> None:

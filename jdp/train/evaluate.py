@@ -20,6 +20,14 @@ def evaluate(backend: Backend, state, split: EvalSplit, *, global_batch_size: in
         for local_batch in batches:
             heartbeat()
             sums = backend.eval_step(state, backend.put_batch(local_batch))
+            # At most one batch in flight behind this one, as in the train loop. Unbounded,
+            # the host queued ~70 programs per device (an eval step and an add per metric,
+            # per batch), and a 2-process CPU job on a loaded machine deadlocked: one
+            # device's launch of the eval step waited for a slot in the runtime's bounded
+            # per-device queue while the other seven devices waited for it in the step's
+            # all-reduce.
+            if totals is not None:
+                jax.block_until_ready(totals)
             totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
     sums, count = backend.fetch(totals)
     means = {name: float(total) / float(weight) if weight else 0.0
