@@ -19,6 +19,9 @@ TINY = {
                  r"\(worst of pjit x 1 devices\)$"),
     "overhead_e2e": (["--steps=4", "--repeats=1", "--devices=1"],
                      r"^overhead_e2e: jdp wall time to final accuracy / minimal = \d+\.\d{3}$"),
+    "step_overhead": (["--batch_size=16", "--steps=2", "--repeats=1", "--devices=2"],
+                      r"^step_overhead: jdp step / minimal step examples/s = "
+                      r"\d+\.\d{3} \(2 devices\)$"),
     "scaling": (["--model=nano", "--batch_size=16", "--steps=1", "--repeats=1",
                  "--max_devices=2"],
                 r"^scaling vs 1 device: 1: 1\.00x(, \d+: \d+\.\d+x)+$"),

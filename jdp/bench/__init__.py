@@ -3,6 +3,7 @@
     python -m jdp.bench overhead     # jdp's whole training loop vs a minimal hand-written loop
     python -m jdp.bench overhead_e2e # the default command's wall time to its final accuracy
                                      # vs a minimal script's (jdp/bench/minimal_vit.py)
+    python -m jdp.bench step_overhead  # jdp's compiled train step vs a minimal jit step
     python -m jdp.bench scaling      # examples/s of the same model at 1, 2, 4, 8 devices
     python -m jdp.bench checkpoint   # how long a save stalls training: async vs synchronous
     python -m jdp.bench memory       # per-device memory and traffic: replicated, ZeRO-1, FSDP

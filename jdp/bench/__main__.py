@@ -13,6 +13,7 @@ import jdp.bench
 SUBCOMMANDS = {
     "overhead": "overhead",
     "overhead_e2e": "overhead_e2e",
+    "step_overhead": "step_overhead",
     "scaling": "steps",
     "checkpoint": "checkpoint",
     "memory": "memory",
