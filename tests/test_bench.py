@@ -56,3 +56,16 @@ def test_subcommand_runs_and_prints_its_summary_last(name, capsys, tmp_path):
     main([name, *(arg.format(tmp_path=tmp_path) for arg in argv)])
     lines = capsys.readouterr().out.strip().splitlines()
     assert re.match(summary, lines[-1]), lines[-5:]
+
+
+@pytest.mark.parametrize("devices, message", [
+    ("16", "--devices=16: this process has 8 devices. Fix: name counts up to it"),
+    ("0", "argument --devices: '0' is not a list of device counts. Fix: pass positive"),
+    ("one", "argument --devices: 'one' is not a list of device counts. Fix: pass positive"),
+])
+def test_step_overhead_refuses_device_counts_it_cannot_measure(devices, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["step_overhead", f"--devices={devices}"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+

@@ -20,6 +20,7 @@ that changes speed during the run moves both.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -34,17 +35,32 @@ from jdp.parallel.mesh import batch_sharding, make_mesh, replicated
 def add_arguments(parser, name: str) -> None:
     steps.add_model_arguments(parser)
     parser.set_defaults(model="nano", steps=60)
-    parser.add_argument("--devices", default="1,8",
-                        help="comma-separated device counts to measure (those above "
-                             "jax.device_count() are left out)")
+    parser.add_argument("--devices", default=[1, 8], type=_device_counts,
+                        help="comma-separated device counts to measure (default 1,8; those "
+                             "above jax.device_count() are left out)")
+
+
+def _device_counts(text: str) -> list[int]:
+    """`--devices`' value: positive integers separated by commas (argparse reports the
+    error as the flag's, exit 2)."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or any(count < 1 for count in counts):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a list of device counts. Fix: pass positive integers "
+            "separated by commas, e.g. --devices=1,8")
+    return counts
 
 
 def run(args) -> None:
-    counts = [n for n in (int(c) for c in args.devices.split(",")) if n <= jax.device_count()]
+    counts = [n for n in args.devices if n <= jax.device_count()]
     if not counts:
-        print(f"--devices={args.devices}: this process has {jax.device_count()} devices. "
-              "Fix: name counts up to it (XLA_FLAGS=--xla_force_host_platform_device_count=N "
-              "simulates N on a CPU).", file=sys.stderr)
+        print(f"--devices={','.join(map(str, args.devices))}: this process has "
+              f"{jax.device_count()} devices. Fix: name counts up to it "
+              "(XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N on a CPU).",
+              file=sys.stderr)
         raise SystemExit(2)
     model, tx = steps.vit_model(args.model), optax.adamw(1e-3)
     batch_np = steps.random_batch(args.batch_size)
