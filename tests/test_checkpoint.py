@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -190,9 +191,17 @@ def test_async_save_is_committed_by_wait(open_checkpointer, ckpt_dir):
     assert checkpointer.latest_step() == 5
 
 
-def test_state_may_be_donated_once_save_returns(open_checkpointer):
-    sharding = replicated(mesh_of(8))
-    state = placed(make_state(), sharding)
+def _with_large_leaves(state: TrainState) -> TrainState:
+    """`state` with leaves too large to be packed (saved as arrays of their own)."""
+    return state.replace(model_state={"stats": {"mean": jnp.arange(40_000.0),
+                                                "count": jnp.arange(64 * 1024, dtype=jnp.int32)}})
+
+
+@pytest.mark.parametrize("layout", [replicated, zero], ids=["replicated", "zero"])
+@pytest.mark.parametrize("large", [False, True], ids=["small_leaves", "large_leaves"])
+def test_state_may_be_donated_once_save_returns(open_checkpointer, layout, large):
+    sharding = layout(mesh_of(8))
+    state = placed(_with_large_leaves(make_state()) if large else make_state(), sharding)
     expected = jax.tree.map(np.asarray, state)
     checkpointer = open_checkpointer(async_save=True)
     checkpointer.save(3, state)
@@ -200,6 +209,37 @@ def test_state_may_be_donated_once_save_returns(open_checkpointer):
         leaf.delete()
     checkpointer.wait()
     assert_same_state(checkpointer.restore(3, abstract(expected, sharding)), expected)
+
+
+def test_an_async_save_returns_before_orbaxs_bookkeeping_and_the_next_call_joins_it(
+        open_checkpointer, ckpt_dir, monkeypatch):
+    """The caller waits for the copy to the host only; what Orbax's save does after that
+    (here held up until the test lets it go) finishes on the checkpointer's thread, and
+    the next call waits for it."""
+    release, held, recorded = threading.Event(), threading.Event(), threading.Event()
+    record = ocp.CheckpointManager._add_checkpoint_info
+
+    def held_up(self, *args, **kwargs):
+        held.set()
+        release.wait(timeout=60)  # a save that waited for it fails below after this
+        record(self, *args, **kwargs)
+        recorded.set()
+
+    monkeypatch.setattr(ocp.CheckpointManager, "_add_checkpoint_info", held_up)
+    sharding = replicated(mesh_of(8))
+    state = placed(_with_large_leaves(make_state()), sharding)
+    expected = jax.tree.map(np.asarray, state)
+    checkpointer = open_checkpointer(async_save=True)
+    assert checkpointer.save(4, state)
+    returned_while_held = not recorded.is_set()
+    for leaf in jax.tree.leaves(state):
+        leaf.delete()
+    assert held.wait(timeout=60), "Orbax's save never reached its bookkeeping"
+    release.set()
+    assert returned_while_held
+    checkpointer.wait()
+    assert checkpointer.latest_step() == 4
+    assert_same_state(checkpointer.restore(4, abstract(expected, sharding)), expected)
 
 
 def test_synchronous_save_is_complete_on_return(open_checkpointer, ckpt_dir):

@@ -10,10 +10,12 @@ position (that follows from the step).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import operator
 import os
+import threading
 from collections.abc import Callable, Iterable, Mapping
 
 import jax
@@ -35,9 +37,69 @@ from jdp.runtime import storage
 _MIN_REPLICA_SLICE_BYTES = 4 * 2**20
 
 
+class _TransferWatch:
+    """Tells a save's caller when Orbax has copied the save's jax.Arrays to the host.
+
+    Orbax reports each array's device-to-host copy (`on_transfer_end`) before it starts
+    the writing and its own bookkeeping (threads, an event loop, futures: about half of
+    an async save's time in the caller). Once every array is on the host, the caller may
+    go on and donate the state's buffers; the rest of `CheckpointManager.save` finishes
+    on the checkpointer's thread (in one-process jobs; see `Checkpointer`). One save is
+    watched at a time (process-wide, like Orbax's handler registry)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._one_at_a_time = threading.Lock()
+        self._remaining = 0
+        self._done: threading.Event | None = None
+
+    @contextlib.contextmanager
+    def watching(self, arrays: int, done: threading.Event):
+        with self._one_at_a_time:
+            with self._lock:
+                self._remaining, self._done = arrays, done
+                if arrays == 0:
+                    done.set()
+            try:
+                yield
+            finally:
+                with self._lock:
+                    self._remaining, self._done = 0, None
+
+    def key_priority(self, keypath):  # Orbax's default: copied before save returns
+        return _SYNCHRONOUS
+
+    def on_transfer_end(self, keypath) -> None:
+        with self._lock:
+            if self._done is None:
+                return
+            self._remaining -= 1
+            if self._remaining <= 0:
+                self._done.set()
+
+    def on_transfer_start(self, keypath) -> None:
+        pass
+
+    def on_write_start(self, keypath) -> None:
+        pass
+
+    def on_write_end(self, keypath) -> None:
+        pass
+
+
+_TRANSFERS = _TransferWatch()
+try:  # Orbax's transfer callbacks (not public); without them a save returns when Orbax's does
+    from orbax.checkpoint._src.serialization.types import TransferPriority
+
+    _SYNCHRONOUS = TransferPriority.SYNCHRONOUS
+except ImportError:
+    _SYNCHRONOUS = None
+
+
 def _register_array_handler() -> None:
     """Orbax's handler for jax.Array, with replica-parallel saving only for big arrays
-    (process-wide: Orbax keeps one registry; the on-disk format is unchanged)."""
+    and the transfers reported to `_TRANSFERS` (process-wide: Orbax keeps one registry;
+    the on-disk format is unchanged)."""
     try:  # the default handler's metadata store; not public in Orbax
         from orbax.checkpoint._src.metadata import array_metadata_store
 
@@ -49,6 +111,7 @@ def _register_array_handler() -> None:
         ocp.type_handlers.ArrayHandler(
             array_metadata_store=store,
             min_slice_bytes_for_replica_parallel=_MIN_REPLICA_SLICE_BYTES,
+            **({"callback": _TRANSFERS} if _SYNCHRONOUS is not None else {}),
         ),
         override=True,
     )
@@ -104,6 +167,16 @@ class Checkpointer:
         )
         self._manager = ocp.CheckpointManager(epath.Path(storage.absolute(directory)),
                                               options=options)
+        # In a one-process job an async save returns once its arrays are on the host;
+        # the rest of Orbax's save runs on this thread, the only one that calls the
+        # manager while a save starts (every other method first joins it). Not with
+        # several processes: there Orbax's barriers after the copy are collectives on
+        # every device, which from a second thread interleave with the train step's
+        # in a different order on each process, and the job hangs.
+        self._worker = (concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="jdp-checkpoint")
+            if async_save and jax.process_count() == 1 else None)
+        self._starting: tuple[int, concurrent.futures.Future] | None = None
 
     def due(self, step: int) -> bool:
         """Whether `step` is one of this checkpointer's periodic saves."""
@@ -138,10 +211,13 @@ class Checkpointer:
 
         Returns whether a save started; a step already saved is not saved again. The
         state's device buffers are copied to host before this returns, so the caller may
-        donate or overwrite them; the writing continues in the background.
+        donate or overwrite them; the writing continues in the background. In a
+        one-process job the rest of Orbax's save also finishes in the background, and a
+        failure after the copy is raised by the next call (`save`, `wait`, `close`).
         """
         if not (self.due(step) or force):
             return False
+        self._join()
         if step in self._manager.all_steps():
             return False
         if metrics is not None:
@@ -151,10 +227,37 @@ class Checkpointer:
         # (Orbax's own policy would also save the first step of every run).
         try:
             tree, custom_metadata = packing.pack(state)
-            return self._manager.save(
-                step, args=ocp.args.StandardSave(tree, custom_metadata=custom_metadata),
-                metrics=metrics, force=True)
+            args = ocp.args.StandardSave(tree, custom_metadata=custom_metadata)
+            if self._worker is None:
+                return self._manager.save(step, args=args, metrics=metrics, force=True)
         except Exception as error:  # the previous save's failure surfaces here too
+            raise self._save_failed(step, error) from error
+        on_host = threading.Event()
+        arrays = sum(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(tree))
+
+        def start() -> bool:
+            try:
+                with _TRANSFERS.watching(arrays, on_host):
+                    return self._manager.save(step, args=args, metrics=metrics, force=True)
+            finally:
+                on_host.set()  # also when it failed before the copy, or was not watched
+
+        self._starting = (step, self._worker.submit(start))
+        on_host.wait()
+        if self._starting[1].done():
+            self._join()  # a failure before the copy is raised here, as a sync save's
+        return True
+
+    def _join(self) -> None:
+        """Waits for the save being started on the worker thread to return from Orbax's
+        save (not for its writing); raises its failure."""
+        if self._starting is None:
+            return
+        step, job = self._starting
+        self._starting = None
+        try:
+            job.result()
+        except Exception as error:
             raise self._save_failed(step, error) from error
 
     def restore(self, step: int, abstract_state: PyTree, *,
@@ -210,6 +313,7 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Blocks until the save in flight is committed; raises if it failed."""
+        self._join()
         try:
             self._manager.wait_until_finished()
         except Exception as error:
@@ -229,7 +333,12 @@ class Checkpointer:
             "space or fix the permissions of that directory, then rerun to resume.")
 
     def close(self) -> None:
-        self._manager.close()
+        try:
+            self._join()
+        finally:
+            self._manager.close()
+            if self._worker is not None:
+                self._worker.shutdown()
 
 
 def check_best_metric(best_metric: str | None, metrics: Iterable[str]) -> None:
