@@ -44,8 +44,8 @@ class _TransferWatch:
     the writing and its own bookkeeping (threads, an event loop, futures: about half of
     an async save's time in the caller). Once every array is on the host, the caller may
     go on and donate the state's buffers; the rest of `CheckpointManager.save` finishes
-    on the checkpointer's thread (in one-process jobs; see `Checkpointer`). One save is
-    watched at a time (process-wide, like Orbax's handler registry)."""
+    on the checkpointer's thread. One save is watched at a time (process-wide, like
+    Orbax's handler registry)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -153,6 +153,15 @@ class Checkpointer:
         self._every_steps = every_steps
         self._best_metric = best_metric
         best_fn = None if best_metric is None else operator.itemgetter(best_metric)
+        root = epath.Path(storage.absolute(directory))
+        processes = jax.process_count()
+        if processes > 1:
+            # Orbax's barriers through jax's distributed client (naming every process
+            # makes them so), not its default, a collective on every device: the saves
+            # below pass barriers on a thread of their own, and device collectives
+            # there would meet the train step's in a different order on each process.
+            # Orbax creates the directory only without such a list.
+            root.mkdir(parents=True, exist_ok=True)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=_preservation_policy(max_to_keep, best_fn, best_mode),
             # Orbax writes the metrics next to each step (and reads them back on restart)
@@ -164,18 +173,17 @@ class Checkpointer:
             cleanup_tmp_directories=True,
             # Process 0 lists the steps and broadcasts them, so all processes agree.
             single_host_load_and_broadcast=True,
+            create=processes == 1,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                active_processes=set(range(processes)) if processes > 1 else None),
         )
-        self._manager = ocp.CheckpointManager(epath.Path(storage.absolute(directory)),
-                                              options=options)
-        # In a one-process job an async save returns once its arrays are on the host;
-        # the rest of Orbax's save runs on this thread, the only one that calls the
-        # manager while a save starts (every other method first joins it). Not with
-        # several processes: there Orbax's barriers after the copy are collectives on
-        # every device, which from a second thread interleave with the train step's
-        # in a different order on each process, and the job hangs.
+        self._manager = ocp.CheckpointManager(root, options=options)
+        # An async save returns once its arrays are on the host; the rest of Orbax's
+        # save runs on this thread, the only one that calls the manager while a save
+        # starts (every other method first joins it), so every process still passes
+        # Orbax's barriers in one order.
         self._worker = (concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="jdp-checkpoint")
-            if async_save and jax.process_count() == 1 else None)
+            max_workers=1, thread_name_prefix="jdp-checkpoint") if async_save else None)
         self._starting: tuple[int, concurrent.futures.Future] | None = None
 
     def due(self, step: int) -> bool:
@@ -211,9 +219,9 @@ class Checkpointer:
 
         Returns whether a save started; a step already saved is not saved again. The
         state's device buffers are copied to host before this returns, so the caller may
-        donate or overwrite them; the writing continues in the background. In a
-        one-process job the rest of Orbax's save also finishes in the background, and a
-        failure after the copy is raised by the next call (`save`, `wait`, `close`).
+        donate or overwrite them; the writing and the rest of Orbax's save continue in
+        the background, and a failure after the copy is raised by the next call
+        (`save`, `wait`, `close`).
         """
         if not (self.due(step) or force):
             return False
