@@ -20,9 +20,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 for _name in [n for n in os.environ if n.startswith("SLURM_")]:
     del os.environ[_name]
 
-# Tests prepare the built-in dataset in their own directory, not in the user's home.
+# Tests prepare the built-in dataset in their own directory, not in the user's home,
+# removed at the end by the process that made it (the workers of `pytest -n` inherit it).
 if "TFDS_DATA_DIR" not in os.environ:
     os.environ["TFDS_DATA_DIR"] = tempfile.mkdtemp(prefix="jdp-tfds-")
+    atexit.register(shutil.rmtree, os.environ["TFDS_DATA_DIR"], ignore_errors=True)
 
 # One compilation cache for the session, inherited by every `python -m jdp.main` the
 # tests start: the same tiny models compile once, and nothing lands in ~/.cache. The
