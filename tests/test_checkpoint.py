@@ -34,6 +34,7 @@ from jdp.checkpoint import (
     load_arrays,
     load_params,
 )
+from jdp.checkpoint import checkpointer as checkpointer_module
 from runs import free_port, xla_flags
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -199,7 +200,19 @@ def _with_large_leaves(state: TrainState) -> TrainState:
 
 @pytest.mark.parametrize("layout", [replicated, zero], ids=["replicated", "zero"])
 @pytest.mark.parametrize("large", [False, True], ids=["small_leaves", "large_leaves"])
-def test_state_may_be_donated_once_save_returns(open_checkpointer, layout, large):
+def test_state_may_be_donated_once_save_returns(open_checkpointer, monkeypatch, layout, large):
+    """Deleted while Orbax's save is held right after its last copy to the host: all of
+    what Orbax does next runs on a donated state."""
+    watch, held, deleted = checkpointer_module._TRANSFERS, threading.Event(), threading.Event()
+    reported = watch.on_transfer_end
+
+    def then_held(keypath):
+        reported(keypath)
+        if watch._done is not None and watch._done.is_set():
+            held.set()
+            deleted.wait(timeout=60)
+
+    monkeypatch.setattr(watch, "on_transfer_end", then_held)
     sharding = layout(mesh_of(8))
     state = placed(_with_large_leaves(make_state()) if large else make_state(), sharding)
     expected = jax.tree.map(np.asarray, state)
@@ -207,7 +220,9 @@ def test_state_may_be_donated_once_save_returns(open_checkpointer, layout, large
     checkpointer.save(3, state)
     for leaf in jax.tree.leaves(state):  # what donating the state to the next step does
         leaf.delete()
+    deleted.set()
     checkpointer.wait()
+    assert held.is_set()
     assert_same_state(checkpointer.restore(3, abstract(expected, sharding)), expected)
 
 
