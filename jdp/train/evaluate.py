@@ -5,9 +5,14 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import jax.numpy as jnp
 
 from jdp.data.splits import EvalSplit
 from jdp.parallel.backends import Backend
+
+# The running totals plus one batch's sums, as one program (an add per metric was one
+# dispatch each, per batch).
+_add = jax.jit(lambda totals, sums: jax.tree.map(jnp.add, totals, sums))
 
 
 def evaluate(backend: Backend, state, split: EvalSplit, *, global_batch_size: int,
@@ -28,7 +33,7 @@ def evaluate(backend: Backend, state, split: EvalSplit, *, global_batch_size: in
             # all-reduce.
             if totals is not None:
                 jax.block_until_ready(totals)
-            totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
+            totals = sums if totals is None else _add(totals, sums)
     sums, count = backend.fetch(totals)
     means = {name: float(total) / float(weight) if weight else 0.0
              for name, (total, weight) in sums.items()}
