@@ -182,20 +182,12 @@ def _loss_fn(built):
     return loss_fn
 
 
-def _minimal_pjit(built, tx, seed: int):
-    """(init, step, put, read) of one jit, GSPMD inserting the gradient reduction."""
+def minimal_train_step(loss_fn, tx):
+    """The hand-written step, `(params, model_state, opt_state), batch -> (that state
+    updated, loss)`: loss, gradients and the optimizer update, nothing else. Jitted
+    with a NamedSharding batch, GSPMD inserts the gradient reduction."""
     import jax
     import optax
-
-    from jdp.parallel.mesh import batch_sharding, make_mesh, replicated
-
-    mesh = make_mesh()
-    loss_fn = _loss_fn(built)
-
-    def init():
-        params, model_state = jax.jit(built.model.init, out_shardings=replicated(mesh))(
-            jax.random.key(seed), built.sample_inputs())
-        return params, model_state, jax.jit(tx.init, out_shardings=replicated(mesh))(params)
 
     def train_step(state, batch):
         params, model_state, opt_state = state
@@ -203,8 +195,24 @@ def _minimal_pjit(built, tx, seed: int):
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), model_state, opt_state), loss
 
+    return train_step
+
+
+def _minimal_pjit(built, tx, seed: int):
+    """(init, step, put, read) of one jit, GSPMD inserting the gradient reduction."""
+    import jax
+
+    from jdp.parallel.mesh import batch_sharding, make_mesh, replicated
+
+    mesh = make_mesh()
+
+    def init():
+        params, model_state = jax.jit(built.model.init, out_shardings=replicated(mesh))(
+            jax.random.key(seed), built.sample_inputs())
+        return params, model_state, jax.jit(tx.init, out_shardings=replicated(mesh))(params)
+
     sharding = batch_sharding(mesh)
-    step = jax.jit(train_step, donate_argnums=0)
+    step = jax.jit(minimal_train_step(_loss_fn(built), tx), donate_argnums=0)
     return init, step, lambda batch: jax.device_put(batch, sharding), float
 
 

@@ -29,6 +29,7 @@ import jax
 import optax
 
 from jdp.bench import steps
+from jdp.bench.overhead import minimal_train_step
 from jdp.parallel.mesh import batch_sharding, make_mesh, replicated
 
 
@@ -108,17 +109,12 @@ def _minimal(model, tx, devices, batch_np, jdp_state):
                                 jax.random.key(0))
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
 
-    def train_step(state, batch):
-        params, model_state, opt_state = state
-        loss, grads = jax.value_and_grad(loss_fn)(params, model_state, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), model_state, opt_state), loss
-
     params, model_state = jax.device_put(
         jax.device_get((jdp_state.params, jdp_state.model_state)), replicated(mesh))
     state = (params, model_state, jax.jit(tx.init, out_shardings=replicated(mesh))(params))
     batch = jax.device_put(batch_np, batch_sharding(mesh))
-    compiled = jax.jit(train_step, donate_argnums=0).lower(state, batch).compile()
+    compiled = jax.jit(minimal_train_step(loss_fn, tx), donate_argnums=0).lower(
+        state, batch).compile()
     return lambda state: compiled(state, batch), state
 
 
