@@ -154,14 +154,12 @@ class Checkpointer:
         self._best_metric = best_metric
         best_fn = None if best_metric is None else operator.itemgetter(best_metric)
         root = epath.Path(storage.absolute(directory))
-        processes = jax.process_count()
-        if processes > 1:
-            # Orbax's barriers through jax's distributed client (naming every process
-            # makes them so), not its default, a collective on every device: the saves
-            # below pass barriers on a thread of their own, and device collectives
-            # there would meet the train step's in a different order on each process.
-            # Orbax creates the directory only without such a list.
-            root.mkdir(parents=True, exist_ok=True)
+        # Orbax's barriers through jax's distributed client (naming every process makes
+        # them so; over one process they are skipped), not its default, a collective on
+        # every device: the saves below pass barriers on a thread of their own, and
+        # device collectives there would meet the train step's in a different order on
+        # each process. Orbax creates the directory only without such a list.
+        root.mkdir(parents=True, exist_ok=True)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=_preservation_policy(max_to_keep, best_fn, best_mode),
             # Orbax writes the metrics next to each step (and reads them back on restart)
@@ -173,9 +171,9 @@ class Checkpointer:
             cleanup_tmp_directories=True,
             # Process 0 lists the steps and broadcasts them, so all processes agree.
             single_host_load_and_broadcast=True,
-            create=processes == 1,
+            create=False,
             multiprocessing_options=ocp.options.MultiprocessingOptions(
-                active_processes=set(range(processes)) if processes > 1 else None),
+                active_processes=set(range(jax.process_count()))),
         )
         self._manager = ocp.CheckpointManager(root, options=options)
         # An async save returns once its arrays are on the host; the rest of Orbax's
