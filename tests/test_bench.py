@@ -68,4 +68,3 @@ def test_step_overhead_refuses_device_counts_it_cannot_measure(devices, message,
         main(["step_overhead", f"--devices={devices}"])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
-
