@@ -56,17 +56,33 @@ def assert_same_trajectory(run, reference, logged_steps=(3, 6, 9, 12)):
 
 
 def compiled_step(path: str, *overrides: str, devices=None, global_batch_size=128):
-    """(backend, state, compiled train step) for an experiment, without a workdir."""
-    backend, state, batch = prepared_step(path, *overrides, devices=devices,
-                                          global_batch_size=global_batch_size)
-    return backend, state, backend.compiled_train_step(state, batch)
+    """(backend, abstract canonical state, compiled train step) for an experiment, from
+    shapes: for reading the program, without computing an initial state."""
+    backend, state, lowered = lowered_step(path, *overrides, devices=devices,
+                                           global_batch_size=global_batch_size)
+    return backend, state, lowered.compile(backend.options.compiler_options)
 
 
-def prepared_step(path: str, *overrides: str, devices=None, global_batch_size=128):
-    """(backend, state, a zero batch) for an experiment's train step, nothing compiled."""
-    import jax
-    import numpy as np
+def lowered_step(path: str, *overrides: str, devices=None, global_batch_size=128):
+    """(backend, abstract canonical state, the train step lowered from shapes), as the dry
+    run lowers it: the program a run with that state compiles, nothing computed."""
+    from jdp.dryrun.lowering import lower_from_shapes
 
+    backend, parts = _backend(path, *overrides, devices=devices)
+    lowered, abstract = lower_from_shapes(backend, parts.sample_inputs(), parts.sample,
+                                          global_batch_size)
+    return backend, abstract, lowered
+
+
+def device_bytes(leaf) -> int:
+    """What one device holds of `leaf` (an array, or a ShapeDtypeStruct with a sharding),
+    in bytes: jdp's shardings split each leaf evenly over the devices."""
+    import math
+
+    return math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+
+
+def _backend(path: str, *overrides: str, devices=None):
     from jdp.experiment import components, loader, optim
     from jdp.parallel.factory import build_backend
     from jdp.parallel.mesh import make_mesh
@@ -75,8 +91,16 @@ def prepared_step(path: str, *overrides: str, devices=None, global_batch_size=12
     exp = loader.load(path)
     parts = components.build(exp, config)
     mesh = make_mesh(config.parallel.mesh, devices, config.parallel.hosts)
-    backend = build_backend(config, mesh, parts,
-                            exp.build_optimizer(config, optim.learning_rate_fn(config)))
+    return build_backend(config, mesh, parts,
+                         exp.build_optimizer(config, optim.learning_rate_fn(config))), parts
+
+
+def prepared_step(path: str, *overrides: str, devices=None, global_batch_size=128):
+    """(backend, state, a zero batch) for an experiment's train step, nothing compiled."""
+    import jax
+    import numpy as np
+
+    backend, parts = _backend(path, *overrides, devices=devices)
     state = backend.from_global(backend.init_global(jax.random.key(0), parts.sample_inputs()))
     rows = global_batch_size // jax.process_count()
     batch = backend.put_batch({key: np.zeros((rows, *np.shape(value)), np.asarray(value).dtype)

@@ -17,8 +17,10 @@ from jdp.errors import ConfigError
 from runs import (
     assert_same_trajectory,
     checkpoint_arrays,
+    compiled_step,
     load_config,
     losses,
+    lowered_step,
     prepared_step,
     train,
 )
@@ -36,11 +38,11 @@ HOST_OF = {device: device // 4 for device in range(8)}
 def _gradient_collectives(*overrides, lowered=False):
     """The step's gradient collectives (not the metric sums), compiled or as lowered
     (XLA:CPU widens bfloat16 collectives to float32 when compiling; GPUs do not)."""
-    backend, state, batch = prepared_step(VIT, *overrides)
+    backend, state, program = lowered_step(VIT, *overrides)
     if lowered:
-        text = backend.lowered_train_step(state, batch).as_text(dialect="hlo", debug_info=True)
+        text = program.as_text(dialect="hlo", debug_info=True)
     else:
-        text = backend.compiled_train_step(state, batch).as_text()
+        text = program.compile(backend.options.compiler_options).as_text()
     ops = [op for op in hlo.collectives(text)
            if "gradient_all_reduce" in op.op_name and op.bytes > 64]
     grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(state.params))
@@ -267,8 +269,8 @@ def test_hybrid_sharding_gathers_and_scatters_inside_hosts_and_reduces_across_on
     """Per optimizer step (4 accumulated micro-batches): no all-gather or
     reduce-scatter spans hosts, and exactly one gradient reduction crosses them,
     carrying one device's 1/L part."""
-    backend, state, batch = prepared_step(VIT, *HYBRID[mode], "--config.grad_accum_steps=4")
-    ops = hlo.collectives(backend.compiled_train_step(state, batch).as_text())
+    _, state, compiled = compiled_step(VIT, *HYBRID[mode], "--config.grad_accum_steps=4")
+    ops = hlo.collectives(compiled.as_text())
     gathers = [op for op in ops if op.kind in ("all-gather", "reduce-scatter")]
     assert gathers and {op.replica_groups for op in gathers} == {IN_HOST}, gathers
     across = [op for op in ops if op.traffic(HOST_OF).cross_host_bytes and op.bytes > 64]

@@ -85,7 +85,7 @@ def test_a_killed_process_makes_the_other_exit_with_a_report(tmp_path):
 def test_sigterm_to_one_process_saves_on_all_at_one_step_and_exits_76(tmp_path):
     args = ["--config.total_steps=100000", "--config.log_every_steps=1",
             "--config.batch_size=64"]
-    children = start_processes(tmp_path, [args, args], devices_per_process=2)
+    children = start_processes(tmp_path, [args, args])
     try:
         wait_for_step(3, tmp_path, children)
         children[1].send_signal(signal.SIGTERM)

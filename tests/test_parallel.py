@@ -12,7 +12,7 @@ from jdp.models import ViT
 from jdp.parallel import StepOptions, compiler_options, make_backend
 from jdp.parallel.mesh import make_mesh
 from jdp.task import classification
-from runs import compiled_step
+from runs import compiled_step, device_bytes, lowered_step
 
 VIT = "experiments/vit.py"
 
@@ -24,8 +24,7 @@ def test_accumulation_issues_one_gradient_all_reduce_outside_any_loop(backend):
     reduces = hlo.all_reduces(compiled.as_text())
     assert len(reduces) == 1, reduces
     assert not reduces[0].in_loop
-    param_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params)) // (
-        8 if backend == "pmap" else 1)  # pmap's state has a leading device axis
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
     assert reduces[0].bytes >= param_bytes  # every gradient travels in it
 
 
@@ -52,9 +51,7 @@ def _gradient_reduce_bytes(lowered_text):
 def test_bfloat16_gradient_reduction_halves_the_all_reduce_bytes():
     texts = {}
     for dtype in ("float32", "bfloat16"):
-        backend, state, _ = compiled_step(VIT, f"--config.parallel.grad_reduce_dtype={dtype}")
-        batch = {"image": np.zeros((128, 8, 8, 1), np.float32), "label": np.zeros(128, np.int32)}
-        lowered = backend.lowered_train_step(state, backend.put_batch(batch))
+        _, _, lowered = lowered_step(VIT, f"--config.parallel.grad_reduce_dtype={dtype}")
         texts[dtype] = lowered.as_text(dialect="hlo")
     f32, bf16 = (_gradient_reduce_bytes(texts[d]) for d in ("float32", "bfloat16"))
     metrics_bytes = 4 * 4  # (sum, weight) of loss and accuracy stay float32
@@ -63,9 +60,7 @@ def test_bfloat16_gradient_reduction_halves_the_all_reduce_bytes():
 
 
 def _optimizer_state_bytes_on_one_device(state):
-    device = jax.devices()[0]
-    return sum(shard.data.nbytes for leaf in jax.tree.leaves(state.opt_state)
-               for shard in leaf.addressable_shards if shard.device == device)
+    return sum(device_bytes(leaf) for leaf in jax.tree.leaves(state.opt_state))
 
 
 @pytest.fixture(scope="module")
