@@ -7,6 +7,7 @@ import optax
 import pytest
 
 from jdp.dryrun import hlo
+from jdp.dryrun.lowering import lower_from_shapes
 from jdp.experiment import adapters
 from jdp.models import ViT
 from jdp.parallel import StepOptions, compiler_options, make_backend
@@ -111,11 +112,8 @@ def test_remat_lowers_the_compiled_temp_memory():
                                         num_layers=6, num_heads=4, mlp_dim=128, remat=policy))
         backend = make_backend("pjit", make_mesh(), model, classification(), optax.sgd(0.1),
                                StepOptions(compiler_options=options))
-        state = backend.init_global(jax.random.key(0), (np.zeros((1, 8, 8, 1), np.float32),))
-        batch = backend.put_batch({"image": np.zeros((128, 8, 8, 1), np.float32),
-                                   "label": np.zeros((128,), np.int32)})
-        temp[policy] = backend.compiled_train_step(state, batch).memory_analysis() \
-            .temp_size_in_bytes
+        _, compiled = _compiled_from_shapes(backend, global_batch_size=128)
+        temp[policy] = compiled.memory_analysis().temp_size_in_bytes
     assert temp["full"] < 0.7 * temp["none"], temp
     assert temp["dots_saveable"] < 0.9 * temp["none"], temp
 
@@ -130,10 +128,16 @@ def _wide_vit_step(**options):
                            StepOptions(compiler_options=compiler_options("cpu", "none",
                                                                          shard_params),
                                        **options))
-    state = backend.init_global(jax.random.key(0), (np.zeros((1, 8, 8, 1), np.float32),))
-    batch = backend.put_batch({"image": np.zeros((8, 8, 8, 1), np.float32),
-                               "label": np.zeros((8,), np.int32)})
-    return state, backend.compiled_train_step(state, batch)
+    return _compiled_from_shapes(backend, global_batch_size=8)
+
+
+def _compiled_from_shapes(backend, global_batch_size):
+    """(abstract state, compiled train step) for 8x8 one-channel images: the program a
+    run compiles, from shapes, with no initial state computed."""
+    example = {"image": np.zeros((8, 8, 1), np.float32), "label": np.zeros((), np.int32)}
+    lowered, state = lower_from_shapes(backend, (example["image"][None],), example,
+                                       global_batch_size)
+    return state, lowered.compile(backend.options.compiler_options)
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +148,7 @@ def fsdp_and_replicated():
 def test_fsdp_gathers_params_and_reduce_scatters_gradients(fsdp_and_replicated):
     (state, compiled), _ = fsdp_and_replicated
     ops = hlo.collectives(compiled.as_text())
-    param_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
     kinds = {op.kind for op in ops}
     assert {"all-gather", "reduce-scatter"} <= kinds, kinds
     scattered = sum(op.operand_bytes for op in ops if op.kind == "reduce-scatter")
