@@ -346,28 +346,24 @@ class PmapBackend(Backend):
             donate_argnums=0, devices=devices)
         self._eval_step = jax.pmap(_with_hosts_axis(eval_step), axis_name=LOCAL_AXIS,
                                    devices=devices)
+        # Between the canonical layout and the working one, leaf by leaf, each device
+        # copying its own replica (a ZeRO-sharded leaf is gathered first): one small
+        # program per leaf shape, where indexing each device's buffer compiled one per
+        # shape and device.
+        self._stack = jax.jit(jax.shard_map(
+            lambda x: x[None], mesh=self.mesh, in_specs=P(), out_specs=P(DATA_AXIS),
+            check_vma=False))
+        self._unstack = jax.jit(jax.shard_map(
+            lambda x: x[0], mesh=self.mesh, in_specs=P(DATA_AXIS), out_specs=P(),
+            check_vma=False))
 
     def from_global(self, state, *, consume: bool = False):
         """Replicated global arrays -> one replica per device, stacked on a leading axis."""
-
-        def stack(x):
-            replicated = jax.device_put(x, mesh_lib.replicated(self.mesh))  # gathers ZeRO leaves
-            replicas = [shard.data[None] for shard in replicated.addressable_shards]
-            return _free_after(jax.make_array_from_single_device_arrays(
-                (self.mesh.size, *x.shape), self._stacked, replicas), x, consume)
-
-        return jax.tree.map(stack, state)
+        return jax.tree.map(lambda x: _free_after(self._stack(x), x, consume), state)
 
     def to_global(self, state, *, consume: bool = False):
         """The per-device replicas -> replicated global arrays over the whole mesh."""
-        sharding = mesh_lib.replicated(self.mesh)
-
-        def unstack(x):
-            replicas = [s.data[0] for s in x.addressable_shards]
-            return _free_after(jax.make_array_from_single_device_arrays(
-                x.shape[1:], sharding, replicas), x, consume)
-
-        return jax.tree.map(unstack, state)
+        return jax.tree.map(lambda x: _free_after(self._unstack(x), x, consume), state)
 
     def abstract_working(self, abstract_state, example: dict, global_batch_size: int):
         def stacked(shape, dtype):
