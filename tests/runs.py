@@ -58,9 +58,19 @@ def assert_same_trajectory(run, reference, logged_steps=(3, 6, 9, 12)):
 def compiled_step(path: str, *overrides: str, devices=None, global_batch_size=128):
     """(backend, abstract canonical state, compiled train step) for an experiment, from
     shapes: for reading the program, without computing an initial state."""
-    backend, state, lowered = lowered_step(path, *overrides, devices=devices,
-                                           global_batch_size=global_batch_size)
-    return backend, state, lowered.compile(backend.options.compiler_options)
+    backend, parts = _backend(path, *overrides, devices=devices)
+    return (backend, *compiled_from_shapes(backend, parts.sample_inputs(), parts.sample,
+                                           global_batch_size))
+
+
+def compiled_from_shapes(backend, sample_inputs: tuple, example: dict, global_batch_size: int):
+    """(abstract canonical state, compiled train step) of `backend` for batches of
+    examples shaped like `example`, compiled as a run compiles it (the backend's XLA
+    options), with no initial state computed."""
+    from jdp.dryrun.lowering import lower_from_shapes
+
+    lowered, state = lower_from_shapes(backend, sample_inputs, example, global_batch_size)
+    return state, lowered.compile(backend.options.compiler_options)
 
 
 def lowered_step(path: str, *overrides: str, devices=None, global_batch_size=128):
@@ -69,9 +79,9 @@ def lowered_step(path: str, *overrides: str, devices=None, global_batch_size=128
     from jdp.dryrun.lowering import lower_from_shapes
 
     backend, parts = _backend(path, *overrides, devices=devices)
-    lowered, abstract = lower_from_shapes(backend, parts.sample_inputs(), parts.sample,
-                                          global_batch_size)
-    return backend, abstract, lowered
+    lowered, state = lower_from_shapes(backend, parts.sample_inputs(), parts.sample,
+                                       global_batch_size)
+    return backend, state, lowered
 
 
 def device_bytes(leaf) -> int:

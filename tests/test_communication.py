@@ -38,11 +38,12 @@ HOST_OF = {device: device // 4 for device in range(8)}
 def _gradient_collectives(*overrides, lowered=False):
     """The step's gradient collectives (not the metric sums), compiled or as lowered
     (XLA:CPU widens bfloat16 collectives to float32 when compiling; GPUs do not)."""
-    backend, state, program = lowered_step(VIT, *overrides)
     if lowered:
+        _, state, program = lowered_step(VIT, *overrides)
         text = program.as_text(dialect="hlo", debug_info=True)
     else:
-        text = program.compile(backend.options.compiler_options).as_text()
+        _, state, program = compiled_step(VIT, *overrides)
+        text = program.as_text()
     ops = [op for op in hlo.collectives(text)
            if "gradient_all_reduce" in op.op_name and op.bytes > 64]
     grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(state.params))

@@ -7,13 +7,12 @@ import optax
 import pytest
 
 from jdp.dryrun import hlo
-from jdp.dryrun.lowering import lower_from_shapes
 from jdp.experiment import adapters
 from jdp.models import ViT
 from jdp.parallel import StepOptions, compiler_options, make_backend
 from jdp.parallel.mesh import make_mesh
 from jdp.task import classification
-from runs import compiled_step, device_bytes, lowered_step
+from runs import compiled_from_shapes, compiled_step, device_bytes, lowered_step
 
 VIT = "experiments/vit.py"
 
@@ -132,12 +131,10 @@ def _wide_vit_step(**options):
 
 
 def _compiled_from_shapes(backend, global_batch_size):
-    """(abstract state, compiled train step) for 8x8 one-channel images: the program a
-    run compiles, from shapes, with no initial state computed."""
+    """(abstract state, compiled train step) for 8x8 one-channel images."""
     example = {"image": np.zeros((8, 8, 1), np.float32), "label": np.zeros((), np.int32)}
-    lowered, state = lower_from_shapes(backend, (example["image"][None],), example,
-                                       global_batch_size)
-    return state, lowered.compile(backend.options.compiler_options)
+    return compiled_from_shapes(backend, (example["image"][None],), example,
+                                global_batch_size)
 
 
 @pytest.fixture(scope="module")
