@@ -8,8 +8,9 @@ import jax
 import pytest
 
 from jdp import config as config_lib
+from jdp import main as jdp_main
 from jdp.runtime import compile_cache
-from runs import losses, train
+from runs import load_config, losses, train
 
 VIT = "experiments/vit.py"
 TINY = ("--config.batch_size=64", "--config.total_steps=2", "--config.warmup_steps=1",
@@ -92,6 +93,25 @@ def test_a_second_run_reads_the_step_from_the_cache(cold_then_warm):
 def test_a_run_from_the_cache_trains_bitwise_like_a_compiled_one(cold_then_warm):
     cold, warm = losses(cold_then_warm["cold_records"]), losses(cold_then_warm["warm_records"])
     assert sorted(cold) == [1, 2] and warm == cold
+
+
+def test_a_dry_run_compiles_the_very_step_the_run_compiles(cold_then_warm, tmp_path):
+    """The dry run (and the tuner, which compiles each candidate the same way) lowers
+    the step from shapes alone, to the program the run compiles: into the runs' cache
+    it reads their step and writes nothing. (jax keys an entry on its cache directory
+    too, so a dry run and the run after it must share one, as they do by default.)"""
+    cache_dir = cold_then_warm["cache_dir"]
+    config = load_config(VIT, *TINY, f"--config.compile_cache_dir={cache_dir}")
+    log = _Log()
+    logging.getLogger().addHandler(log)
+    try:
+        with jax.log_compiles():
+            jdp_main.run(config, VIT, str(tmp_path / "plan"), dry_run=True)
+    finally:
+        logging.getLogger().removeHandler(log)
+        compile_cache.enable(compile_cache.resolve_dir(""))  # later tests: the session's
+    assert HIT in "\n".join(log.lines)
+    assert _entries(cache_dir) == cold_then_warm["warm_entries"]
 
 
 def test_a_torn_cache_entry_is_recompiled_with_a_warning(cold_then_warm, tmp_path):

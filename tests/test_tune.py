@@ -4,11 +4,13 @@ candidates are never compiled; the ranking is by measured speed; the budget stop
 trials; a saved result is applied by jdp.main only to the config it was tuned for."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import textwrap
 
+import jax
 import numpy as np
 import pytest
 
@@ -17,6 +19,7 @@ from jdp.config import tuned
 from jdp.config.checks import get
 from jdp.errors import ConfigError
 from jdp.experiment import loader
+from jdp.runtime import compile_cache
 from jdp.tune import footprint, result
 from jdp.tune.search import Options, tune
 from runs import REPO, RTOL, load_config, losses, main_env, run_two_processes, train
@@ -27,16 +30,39 @@ TINY = ("--config.batch_size=32", "--config.total_steps=20", "--config.warmup_st
         "--config.log_every_steps=1", "--config.eval_every_steps=0")
 
 
+_LOGS: dict[str, list[str]] = {}  # what a module fixture's run logged, by fixture
+
+
+class _Log(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
     """One search over remat x accumulation at a capacity one byte below the configured
-    run's footprint, with a budget so small that only the first survivor is timed."""
-    config = load_config(VIT, *TINY)
+    run's footprint, with a budget so small that only the first survivor is timed; into
+    a compilation cache of its own, its compiles logged (`cache_hits`)."""
+    root = tmp_path_factory.mktemp("search")
+    config = load_config(VIT, *TINY, f"--config.compile_cache_dir={root / 'cache'}")
     configured_bytes = footprint.measure(config, loader.load(VIT)).needed_bytes
     options = Options(device_memory_bytes=configured_bytes - 1, memory_margin=0.0,
-                      trial_steps=20, budget_s=1e-3, knobs=("remat", "grad_accum_steps"))
-    workdir = tmp_path_factory.mktemp("tune")
-    return tune(config, VIT, str(workdir), options), options, workdir
+                      trial_steps=10, budget_s=1e-3, knobs=("remat", "grad_accum_steps"))
+    workdir = root / "tune"
+    log = _Log()
+    logging.getLogger().addHandler(log)
+    try:
+        with jax.log_compiles():
+            outcome = tune(config, VIT, str(workdir), options)
+    finally:
+        logging.getLogger().removeHandler(log)
+    _LOGS["search"] = log.lines
+    yield outcome, options, workdir
+    compile_cache.enable(compile_cache.resolve_dir(""))  # later tests: the session's cache
 
 
 def _row(outcome, status_start):
@@ -81,6 +107,16 @@ def test_no_trial_starts_past_the_budget_and_the_last_ends_within_one_trial_of_i
     assert _row(outcome, "not timed: budget")
     longest_s = max(t.length_s for t in timed)
     assert max(t.start_s + t.length_s for t in timed) <= options.budget_s + longest_s
+
+
+def test_a_trial_reads_its_step_from_the_cache_its_footprint_compile_wrote(searched):
+    """The footprint is compiled with the trial's settings, so the trial's step is the
+    same program: each timed trial is a cache hit, and nothing else is."""
+    outcome, _, _ = searched
+    timed = [row for row in outcome.rows if row.timing]
+    hits = [line for line in _LOGS["search"]
+            if line.startswith("Persistent compilation cache hit for 'jit_train_step'")]
+    assert len(hits) == len(timed) == 1, hits
 
 
 def test_the_result_is_written_and_the_scratch_trials_removed(searched):

@@ -38,6 +38,8 @@ def preflight(config, experiment: Experiment, components: Components, split: Bat
               device_memory_bytes: int | None = None,
               step_time_s: float | None = None) -> Preflight:
     """Compiles the configured train step from shapes alone and gathers the plan's figures.
+    The program is the one the loop runs (`lowering.lower_from_shapes`), so a run after
+    the plan, sharing its compilation cache, reads the step from the cache.
 
     `device_memory_bytes` overrides the capacity the device reports (CPUs report
     none); `step_time_s` is a measured step time for the scaling estimate.

@@ -175,6 +175,13 @@ class Backend:
         for memory_analysis(), cost_analysis() and the optimised HLO."""
         return self.lowered_train_step(state, batch).compile(self.options.compiler_options)
 
+    def lowered_window_step(self, state, batch):
+        """The step the loop runs (`compiled_window_step`), lowered for these arguments,
+        which may be shapes alone (`abstract_working`): the same program either way, so a
+        compile ahead of time (the dry run, the tuner's footprints) leaves the run's own
+        compile a hit in the persistent compilation cache."""
+        return self._window_fn_for(state).lower(state, batch, *self._window_inputs(state, batch))
+
     def compiled_window_step(self, state, batch):
         """The step the loop runs, compiled: `(state, batch, sums, reset) -> (state, sums)`,
         the train step with the logging window's running sums added inside it
@@ -184,18 +191,24 @@ class Backend:
         The sums are not donated: the host reads a closed window one step late, while
         the next step is already running on it.
         """
-        metrics = self._metric_shapes(state, batch)
-        sharding, flag_shape = self._window_layout()
-
-        def constant(value, shape, dtype) -> jax.Array:  # from the host: nothing to compile
-            host = np.full(shape, value, dtype)
-            return jax.make_array_from_callback(shape, sharding, lambda index: host[index])
-
-        sums = jax.tree.map(lambda m: constant(0, m.shape, m.dtype), metrics)
-        reset, keep = constant(True, flag_shape, bool), constant(False, flag_shape, bool)
+        sums, reset = self._window_inputs(state, batch)
         compiled = self._window_fn_for(state).lower(state, batch, sums, reset).compile(
             self.options.compiler_options)
-        return compiled, sums, (reset, keep)
+
+        def constant(value, like) -> jax.Array:  # from the host: nothing to compile
+            host = np.full(like.shape, value, like.dtype)
+            return jax.make_array_from_callback(like.shape, like.sharding,
+                                                lambda index: host[index])
+
+        sums = jax.tree.map(lambda m: constant(0, m), sums)
+        return compiled, sums, (constant(True, reset), constant(False, reset))
+
+    def _window_inputs(self, state, batch):
+        """(sums, reset) of the window step, shapes only, in this backend's layout."""
+        sharding, flag_shape = self._window_layout()
+        sums = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding),
+                            self._metric_shapes(state, batch))
+        return sums, jax.ShapeDtypeStruct(flag_shape, np.bool_, sharding=sharding)
 
     def _metric_shapes(self, state, batch):
         """The train step's metrics, shapes only, as the window step returns them."""

@@ -21,7 +21,7 @@ class Footprint:
 
 
 def measure(config, experiment: Experiment, devices=None, workdir: str = "") -> Footprint:
-    """Compiles `config`'s train step from shapes and reads its per-device footprint."""
+    """Compiles the step `config`'s loop runs from shapes; reads its per-device footprint."""
     device_count = jax.device_count() if devices is None else len(devices)
     split = config_lib.validate(config, device_count, jax.process_count())
     components = components_lib.build(experiment, config, workdir=workdir)

@@ -109,12 +109,17 @@ def _streams(components: components_lib.Components, config) -> bool:
     return isinstance(train, streamed.StreamedTrain)
 
 
-def _measure(config, candidate: space.Candidate, setup: _Setup) -> list:
+def _measure(config, candidate: space.Candidate, options: Options, setup: _Setup) -> list:
     """Process 0's [footprint bytes, reported capacity, error]: a candidate whose compile
-    fails (a bug on one path should not end the search) is reported, not raised."""
+    fails (a bug on one path should not end the search) is reported, not raised.
+
+    Compiled with the trial's settings (a shorter schedule, the same memory): the program
+    is then the trial's own, and the trial's compile a hit in the compilation cache."""
+    settings = trial.trial_settings(config, options.trial_steps)
     try:
-        measured = footprint.measure(setup.configured(config, candidate.overrides),
-                                     setup.experiment, setup.devices, workdir=setup.token_dir)
+        measured = footprint.measure(
+            setup.configured(config, {**candidate.overrides, **settings}),
+            setup.experiment, setup.devices, workdir=setup.token_dir)
         found = [measured.needed_bytes, measured.reported_capacity_bytes, None]
     except Exception as e:  # noqa: BLE001 - any failure of this one candidate's compile
         logging.exception("tune: compiling #%d from shapes failed", candidate.index)
@@ -135,7 +140,7 @@ def _compile_pass(config, candidates: list[space.Candidate], options: Options,
         if dominant is not None:
             row.status = f"not compiled: dominated by #{dominant.index}"
             continue
-        needed, reported, error = _measure(config, candidate, setup)
+        needed, reported, error = _measure(config, candidate, options, setup)
         if error:
             row.status = f"not compiled: failed ({error})"
             continue
