@@ -191,17 +191,19 @@ class Backend:
         The sums are not donated: the host reads a closed window one step late, while
         the next step is already running on it.
         """
-        sums, reset = self._window_inputs(state, batch)
-        compiled = self._window_fn_for(state).lower(state, batch, sums, reset).compile(
-            self.options.compiler_options)
-
         def constant(value, like) -> jax.Array:  # from the host: nothing to compile
             host = np.full(like.shape, value, like.dtype)
             return jax.make_array_from_callback(like.shape, like.sharding,
                                                 lambda index: host[index])
 
+        # Lowered with arrays, not shapes: pmap lowers shapes of several processes' global
+        # arrays wrongly. The program is the same either way (`lowered_window_step`).
+        sums, reset = self._window_inputs(state, batch)
         sums = jax.tree.map(lambda m: constant(0, m), sums)
-        return compiled, sums, (constant(True, reset), constant(False, reset))
+        reset, keep = constant(True, reset), constant(False, reset)
+        compiled = self._window_fn_for(state).lower(state, batch, sums, reset).compile(
+            self.options.compiler_options)
+        return compiled, sums, (reset, keep)
 
     def _window_inputs(self, state, batch):
         """(sums, reset) of the window step, shapes only, in this backend's layout."""
