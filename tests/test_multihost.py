@@ -9,8 +9,10 @@ import jax
 import numpy as np
 import pytest
 
+from jdp import main as jdp_main
 from runs import (
     checkpoint_arrays,
+    load_config,
     losses,
     main_command,
     read_metrics,
@@ -139,3 +141,30 @@ def test_a_one_process_checkpoint_resumes_sharded_on_two_processes(one_process, 
     assert sorted(got) == [6, 8]
     np.testing.assert_allclose([got[6], got[8]], [expected[6], expected[8]], rtol=1e-5)
     assert_params_match(checkpoint_arrays(workdir, 8)["params"], reference_result.state.params)
+
+
+def test_a_dry_run_of_two_processes_plans_what_one_process_of_two_hosts_plans(tmp_path):
+    """Each process of a 2-process job compiles the step from shapes and prints the plan
+    one process of 8 devices prints for 2 virtual hosts: the same program, memory and
+    bytes inside and across hosts. pmap, whose lowering takes each process's arrays, so
+    shapes need their own path; the plan's hosts come from mesh positions, which are
+    device ids only on one process (both backends)."""
+    from jdp.dryrun import estimate
+
+    pmap = "--config.parallel.backend=pmap"
+    workdir = tmp_path / "never"
+    config = load_config(VIT, *TRAIN, pmap, "--config.parallel.hosts=2")
+    one = estimate.format_plan(jdp_main.run(config, VIT, str(workdir), dry_run=True).inputs)
+    proc = launch_local(workdir, 4, pmap, "--dry_run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not workdir.exists()
+    for process in ("[p0] ", "[p1] "):
+        plan = [line[len(process):] for line in proc.stdout.splitlines()
+                if line.startswith(process)]
+        assert "Devices: 8 x cpu (cpu), 2 processes; mesh hosts=2, local=4" in plan
+        # The same plan, but for the devices and the batch's split over processes.
+        same = [line for line in one.splitlines()
+                if not line.startswith(("Devices:", "Batch:"))]
+        assert [line for line in plan if not line.startswith(("Devices:", "Batch:"))] \
+            == same, "\n".join(plan)
+        assert any("leaving a host across hosts" in line for line in same)

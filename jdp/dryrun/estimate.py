@@ -64,7 +64,8 @@ class PlanInputs:
     collectives: Sequence[Collective] = ()
     grad_reduce_dtype: str = "float32"
     metric_bytes: int = 0  # the task's metric sums, packed into the gradient all-reduce
-    host_of: dict[int, int] | None = None  # device id -> host, with more than one host
+    # A device's position in the mesh -> its host, with more than one host.
+    host_of: dict[int, int] | None = None
     # What one device holds of the params and optimizer state (its shards).
     state_bytes_per_device: int | None = None
 

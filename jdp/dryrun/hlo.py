@@ -133,8 +133,9 @@ class Collective:
         return float(self.bytes)
 
     def traffic(self, host_of: dict[int, int]) -> Traffic:
-        """Where this op's bytes go, with devices on hosts as `host_of` (device id -> host)
-        says, for ring algorithms with each group's devices in host order.
+        """Where this op's bytes go, with devices on hosts as `host_of` (a device's position
+        in the mesh -> host) says, for ring algorithms with each group's devices in host
+        order.
 
         A group within one host sends only inside it. A ring through a group on h > 1
         hosts leaves each of those hosts over one link, which carries what one device

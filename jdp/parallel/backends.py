@@ -196,8 +196,8 @@ class Backend:
             return jax.make_array_from_callback(like.shape, like.sharding,
                                                 lambda index: host[index])
 
-        # Lowered with arrays, not shapes: pmap lowers shapes of several processes' global
-        # arrays wrongly. The program is the same either way (`lowered_window_step`).
+        # Lowered with the arrays it is called with: the program `lowered_window_step`
+        # lowers from shapes.
         sums, reset = self._window_inputs(state, batch)
         sums = jax.tree.map(lambda m: constant(0, m), sums)
         reset, keep = constant(True, reset), constant(False, reset)
@@ -401,7 +401,11 @@ class PmapBackend(Backend):
         return {key: put(value) for key, value in local_batch.items()}
 
     def lowered_train_step(self, state, batch):
-        return self._train_step.lower(state, batch)
+        return self._train_step.lower(*_pmap_lowerable(state, batch))
+
+    def lowered_window_step(self, state, batch):
+        return self._window_fn_for(state).lower(
+            *_pmap_lowerable(state, batch, *self._window_inputs(state, batch)))
 
     def _metric_shapes(self, state, batch):
         # One device's step under its axis names, by vmap over an axis of 1: jax.eval_shape
@@ -424,6 +428,17 @@ class PmapBackend(Backend):
     def fetch(self, tree):
         # Every replica holds the same (reduced) value: read the first.
         return jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data[0]), tree)
+
+
+def _pmap_lowerable(*args) -> tuple:
+    """pmap's arguments as its `lower` takes them. On several processes pmap converts
+    each process's arrays to global ones, which it cannot do for shapes
+    (`jax.ShapeDtypeStruct`); abstract values it takes as global already, as these are."""
+    if jax.process_count() == 1:
+        return args
+    return jax.tree.map(
+        lambda x: jax.core.ShapedArray(x.shape, x.dtype)
+        if isinstance(x, jax.ShapeDtypeStruct) else x, args)
 
 
 def _with_hosts_axis(fn: Callable) -> Callable:

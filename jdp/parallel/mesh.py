@@ -53,8 +53,11 @@ def make_mesh(shape: str = "flat", devices=None, hosts: int = 0) -> Mesh:
 
 
 def host_of(mesh: Mesh) -> dict[int, int]:
-    """Device id -> the host (row of the mesh) it belongs to."""
-    return {device.id: host for host, row in enumerate(mesh.devices) for device in row}
+    """A device's position in the mesh -> the host (row of the mesh) it belongs to. The
+    compiled program's replica groups name devices by these positions, which are their
+    ids only on one process (another process's devices have ids of their own)."""
+    per_host = mesh.devices.shape[1]
+    return {position: position // per_host for position in range(mesh.devices.size)}
 
 
 def device_bytes(tree) -> int:
