@@ -82,11 +82,19 @@ def local_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def killed_run(gcs):
+def staging(tmp_path_factory):
+    """The temporary directory of the killed run's processes: where its TensorBoard events
+    are written before they are copied up."""
+    return tmp_path_factory.mktemp("staging")
+
+
+@pytest.fixture(scope="module")
+def killed_run(gcs, staging):
     """The same run in a bucket, SIGKILLed after its step-20 checkpoint, then rerun."""
     workdir = new_bucket(gcs, "killed") + "/run"
+    env = {**main_env(), "TMPDIR": str(staging)}
     proc = subprocess.Popen(main_command(f"--config={VIT}", f"--workdir={workdir}", *KILLED),
-                            cwd=REPO, env=main_env(), stdout=subprocess.DEVNULL,
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: committed(gcs, workdir, 20) and max(bucket_steps(workdir),
@@ -95,9 +103,9 @@ def killed_run(gcs):
         proc.kill()
         proc.wait()
     assert not committed(gcs, workdir, 30), "killed too late to test a resume"
+    assert "tensorboard" in staged(staging)  # the killed process's, left behind
     rerun = subprocess.run(main_command(f"--config={VIT}", f"--workdir={workdir}", *KILLED),
-                           cwd=REPO, env=main_env(), capture_output=True, text=True,
-                           timeout=300)
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"resuming from {workdir}/checkpoints/20" in rerun.stderr
     return workdir
@@ -108,6 +116,36 @@ def test_a_killed_bucket_run_resumes_with_bitwise_the_losses_of_a_local_run(kill
     steps = bucket_steps(killed_run)
     assert steps == list(range(1, 31)), "each step once, none lost"
     assert losses(read_metrics(killed_run)) == losses(local_run[1])
+
+
+def staged(directory) -> list[str]:
+    """The kinds of jdp's staging directories in `directory` (`storage.staging_dir`)."""
+    return [p.name.split("-")[1] for p in directory.iterdir() if p.name.startswith("jdp-")]
+
+
+def test_the_rerun_removes_the_killed_runs_local_staging_and_its_own(killed_run, staging):
+    assert staged(staging) == []
+
+
+def test_staging_is_removed_only_for_processes_of_this_machine_no_longer_running(
+        tmp_path, monkeypatch):
+    import socket
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    host = socket.gethostname()
+    names = {"ended": f"jdp-profile-{host}-{ended.pid}-x",
+             "running": f"jdp-profile-{host}-{os.getppid()}-x",
+             "elsewhere": f"jdp-profile-other{host}-{ended.pid}-x",
+             "other kind": f"jdp-tensorboard-{host}-{ended.pid}-x"}
+    for name in names.values():
+        (tmp_path / name).mkdir()
+    new = storage.staging_dir("profile")
+    assert os.path.basename(new).startswith(f"jdp-profile-{host}-{os.getpid()}-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [os.path.basename(new), *[names[k] for k in ("running", "elsewhere", "other kind")]])
 
 
 def test_metrics_in_the_bucket_read_back_equal_to_the_local_runs(killed_run, local_run):

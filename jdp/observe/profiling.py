@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import tempfile
 
 import jax
 from absl import logging
@@ -32,7 +31,7 @@ class StepProfiler:
         if self.enabled and step == self.start_step and not self.active:
             # jax's own gs:// writer ignores the emulator and credentials jdp configures:
             # a bucket's trace is written locally and copied up when it stops.
-            self._local_dir = (tempfile.mkdtemp(prefix="jdp-profile-")
+            self._local_dir = (storage.staging_dir("profile")
                                if storage.is_bucket(self.logdir) else self.logdir)
             jax.profiler.start_trace(self._local_dir)
             self.active = True

@@ -13,7 +13,6 @@ import errno
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -64,8 +63,8 @@ class TensorBoardWriter:
         from tensorboardX import SummaryWriter
 
         self._bucket_dir = logdir if storage.is_bucket(logdir) else None
-        self._local_dir = tempfile.mkdtemp(prefix="jdp-tensorboard-") if self._bucket_dir \
-            else logdir
+        self._local_dir = (storage.staging_dir("tensorboard") if self._bucket_dir
+                           else logdir)
         self._writer = SummaryWriter(logdir=self._local_dir)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:

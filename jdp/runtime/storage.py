@@ -3,8 +3,9 @@
 The one place that knows the difference: which URLs jdp accepts, how every GCS client in
 the process (tensorstore under Orbax, gcsfs under etils.epath and TFDS, google-cloud-storage
 under tensorboardX) is pointed at an emulator by `STORAGE_EMULATOR_HOST` alone, the check
-at start that a workdir can be written, and the few file operations the workdir needs on
-both (open, exists, list, remove).
+at start that a workdir can be written, the few file operations the workdir needs on
+both (open, exists, list, remove), and the local directories files for a bucket are
+written to first.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import builtins
 import hashlib
 import json
 import os
+import shutil
+import socket
+import tempfile
 import uuid
 from collections.abc import MutableMapping
 from typing import IO
@@ -230,6 +234,31 @@ def local_copy(url: str) -> str:
         if not os.path.exists(target):
             raise
     return target
+
+
+def staging_dir(kind: str) -> str:
+    """A new local directory for files on their way to a bucket (`upload`), named for this
+    machine and process: `jdp-KIND-HOST-PID-*` in the temporary directory. Those that
+    processes of this machine no longer running left behind (killed before they could
+    remove theirs) are removed first, so a job restarted after kill -9 does not pile
+    them up. Another machine's, or a live process's, are never touched."""
+    root = tempfile.gettempdir()
+    prefix = f"jdp-{kind}-{socket.gethostname()}-"
+    for name in os.listdir(root):
+        pid = name[len(prefix):].partition("-")[0]
+        if name.startswith(prefix) and pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def upload(local_dir: str, url: str) -> None:
