@@ -64,3 +64,14 @@ def test_gradient_accumulation_matches_one_big_batch(backend, tmp_path):
     four = train(vit, tmp_path / "k4", *STEPS, f"--config.parallel.backend={backend}",
                  "--config.grad_accum_steps=4")
     assert_same_trajectory(four, one)
+
+
+def test_pmap_matches_pjit_with_dropout(tmp_path):
+    """Dropout draws its masks from a key per step and device (the device's position on
+    jdp.DATA_AXIS), which under pmap is the only value that carries the `hosts` axis
+    bound around the step: both backends draw the same masks. (With the key folded
+    alike on every device the pmap run leaves this trajectory.)"""
+    vit, dropout = "experiments/vit.py", "--config.model.dropout_rate=0.1"
+    pjit = train(vit, tmp_path / "pjit", *STEPS, dropout)
+    pmap = train(vit, tmp_path / "pmap", *STEPS, dropout, "--config.parallel.backend=pmap")
+    assert_same_trajectory(pmap, pjit)

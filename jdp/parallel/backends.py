@@ -444,10 +444,15 @@ def _pmap_lowerable(*args) -> tuple:
 def _with_hosts_axis(fn: Callable) -> Callable:
     """`fn` with the `hosts` axis bound, as a vmapped axis of size 1, inside pmap's one
     axis (`local`, over every device): collectives over jdp.DATA_AXIS then span every
-    device, and axis_index(DATA_AXIS) is the device's position, as under pjit."""
+    device, and axis_index(DATA_AXIS) is the device's position, as under pjit.
+
+    No argument is mapped (`in_axes=None`): only what depends on the axis index (a
+    per-device random key, say) carries the vmapped dimension. Mapping the arguments
+    made every op of the step a batched op over a dimension of 1, which XLA:CPU runs
+    about 14% slower (ViT-nano, one device)."""
 
     def with_hosts(*args):
-        out = jax.vmap(fn, axis_name=HOSTS_AXIS)(*jax.tree.map(lambda x: x[None], args))
+        out = jax.vmap(fn, in_axes=None, axis_name=HOSTS_AXIS, axis_size=1)(*args)
         return jax.tree.map(lambda x: x[0], out)
 
     return with_hosts
