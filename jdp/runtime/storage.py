@@ -245,8 +245,11 @@ def staging_dir(kind: str) -> str:
     root = tempfile.gettempdir()
     prefix = f"jdp-{kind}-{socket.gethostname()}-"
     for name in os.listdir(root):
-        pid = name[len(prefix):].partition("-")[0]
-        if name.startswith(prefix) and pid.isdigit() and not _running(int(pid)):
+        # PID, then mkdtemp's suffix, which has no "-": another host whose name starts
+        # with this one's and a "-" does not match.
+        pid, dash, suffix = name[len(prefix):].partition("-")
+        if (name.startswith(prefix) and pid.isdigit() and dash and "-" not in suffix
+                and not _running(int(pid))):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
 
