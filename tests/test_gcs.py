@@ -129,17 +129,18 @@ def test_the_rerun_removes_the_killed_runs_local_staging_and_its_own(killed_run,
 
 def test_staging_is_removed_only_for_processes_of_this_machine_no_longer_running(
         tmp_path, monkeypatch):
-    import socket
     import tempfile
+
+    from jdp.runtime import leftovers
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     ended = subprocess.Popen(["true"])
     ended.wait()
-    host = socket.gethostname()
+    host = leftovers.HOST
     names = {"ended": f"jdp-profile-{host}-{ended.pid}-x",
              "running": f"jdp-profile-{host}-{os.getppid()}-x",
              "elsewhere": f"jdp-profile-other{host}-{ended.pid}-x",
-             # a host named HOST-PID, whose process PID ended here too
+             # only begins like this machine's: PID, then more than mkdtemp's suffix
              "elsewhere too": f"jdp-profile-{host}-{ended.pid}-{ended.pid}-x",
              "other kind": f"jdp-tensorboard-{host}-{ended.pid}-x"}
     for name in names.values():

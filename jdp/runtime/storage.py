@@ -14,14 +14,14 @@ import builtins
 import hashlib
 import json
 import os
-import shutil
-import socket
+import re
 import tempfile
 import uuid
 from collections.abc import MutableMapping
 from typing import IO
 
 from jdp.errors import ConfigError, first_line
+from jdp.runtime import leftovers
 
 BUCKET_PREFIX = "gs://"
 EMULATOR_VARIABLE = "STORAGE_EMULATOR_HOST"  # google-cloud-storage's convention
@@ -243,25 +243,9 @@ def staging_dir(kind: str) -> str:
     remove theirs) are removed first, so a job restarted after kill -9 does not pile
     them up. Another machine's, or a live process's, are never touched."""
     root = tempfile.gettempdir()
-    prefix = f"jdp-{kind}-{socket.gethostname()}-"
-    for name in os.listdir(root):
-        # PID, then mkdtemp's suffix, which has no "-": another host whose name starts
-        # with this one's and a "-" does not match.
-        pid, dash, suffix = name[len(prefix):].partition("-")
-        if (name.startswith(prefix) and pid.isdigit() and dash and "-" not in suffix
-                and not _running(int(pid))):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+    # After PID, mkdtemp's random suffix: lowercase letters, digits and "_".
+    leftovers.remove_dead(root, re.escape(f"jdp-{kind}"), "[a-z0-9_]+")
+    return tempfile.mkdtemp(prefix=f"jdp-{kind}-{leftovers.tag()}-")
 
 
 def upload(local_dir: str, url: str) -> None:

@@ -26,7 +26,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,6 +34,7 @@ import numpy as np
 from absl import logging
 
 from jdp.errors import ConfigError
+from jdp.runtime import leftovers
 
 FORMAT = "jdp.text.token_store"
 VERSION = 1
@@ -460,21 +460,8 @@ def _check_counts(writers: list[_Writer], num_files: int, eval_fraction: float,
 
 # --- Publishing --------------------------------------------------------------------------
 
-_HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
-
-
 def _sibling(directory: str, kind: str) -> str:
-    return f"{directory}.{kind}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return f"{directory}.{kind}-{leftovers.tag()}-{secrets.token_hex(4)}"
 
 
 def _remove_stale(directory: str) -> None:
@@ -483,11 +470,7 @@ def _remove_stale(directory: str) -> None:
     Others' (on a shared filesystem, other hosts' pids mean nothing here) are left.
     """
     parent, base = os.path.split(directory)
-    pattern = re.compile(rf"{re.escape(base)}\.(tmp|old)-{re.escape(_HOST)}-(\d+)-[0-9a-f]+")
-    for name in os.listdir(parent):
-        match = pattern.fullmatch(name)
-        if match and not _alive(int(match.group(2))):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    leftovers.remove_dead(parent, rf"{re.escape(base)}\.(?:tmp|old)", "[0-9a-f]+")
 
 
 def _publish(temporary: str, directory: str, wanted: dict, replace: bool) -> list[TokenStore]:
