@@ -180,7 +180,8 @@ class Backend:
         which may be shapes alone (`abstract_working`): the same program either way, so a
         compile ahead of time (the dry run, the tuner's footprints) leaves the run's own
         compile a hit in the persistent compilation cache."""
-        return self._window_fn_for(state).lower(state, batch, *self._window_inputs(state, batch))
+        return self._lower(self._window_fn_for(state), state, batch,
+                           *self._window_inputs(state, batch))
 
     def compiled_window_step(self, state, batch):
         """The step the loop runs, compiled: `(state, batch, sums, reset) -> (state, sums)`,
@@ -201,9 +202,14 @@ class Backend:
         sums, reset = self._window_inputs(state, batch)
         sums = jax.tree.map(lambda m: constant(0, m), sums)
         reset, keep = constant(True, reset), constant(False, reset)
-        compiled = self._window_fn_for(state).lower(state, batch, sums, reset).compile(
+        compiled = self._lower(self._window_fn_for(state), state, batch, sums, reset).compile(
             self.options.compiler_options)
         return compiled, sums, (reset, keep)
+
+    def _lower(self, fn, *args) -> jax.stages.Lowered:
+        """`fn` (this backend's jitted or pmapped step) lowered for `args`, arrays or
+        shapes alike."""
+        return fn.lower(*args)
 
     def _window_inputs(self, state, batch):
         """(sums, reset) of the window step, shapes only, in this backend's layout."""
@@ -316,7 +322,7 @@ class PjitBackend(Backend):
         return mesh_lib.replicated(self.mesh), ()
 
     def lowered_train_step(self, state, batch):
-        return self._jitted(state).lower(state, batch)
+        return self._lower(self._jitted(state), state, batch)
 
     def fetch(self, tree):
         return jax.device_get(tree)
@@ -401,11 +407,16 @@ class PmapBackend(Backend):
         return {key: put(value) for key, value in local_batch.items()}
 
     def lowered_train_step(self, state, batch):
-        return self._train_step.lower(*_pmap_lowerable(state, batch))
+        return self._lower(self._train_step, state, batch)
 
-    def lowered_window_step(self, state, batch):
-        return self._window_fn_for(state).lower(
-            *_pmap_lowerable(state, batch, *self._window_inputs(state, batch)))
+    def _lower(self, fn, *args):
+        # On several processes pmap converts each argument, as a process's own rows, to
+        # a global array, which it cannot do for shapes (`jax.ShapeDtypeStruct`); abstract
+        # values it takes as global already, as these are.
+        if jax.process_count() > 1:
+            args = jax.tree.map(lambda x: jax.core.ShapedArray(x.shape, x.dtype)
+                                if isinstance(x, jax.ShapeDtypeStruct) else x, args)
+        return fn.lower(*args)
 
     def _metric_shapes(self, state, batch):
         # One device's step under its axis names, by vmap over an axis of 1: jax.eval_shape
@@ -428,17 +439,6 @@ class PmapBackend(Backend):
     def fetch(self, tree):
         # Every replica holds the same (reduced) value: read the first.
         return jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data[0]), tree)
-
-
-def _pmap_lowerable(*args) -> tuple:
-    """pmap's arguments as its `lower` takes them. On several processes pmap converts
-    each process's arrays to global ones, which it cannot do for shapes
-    (`jax.ShapeDtypeStruct`); abstract values it takes as global already, as these are."""
-    if jax.process_count() == 1:
-        return args
-    return jax.tree.map(
-        lambda x: jax.core.ShapedArray(x.shape, x.dtype)
-        if isinstance(x, jax.ShapeDtypeStruct) else x, args)
 
 
 def _with_hosts_axis(fn: Callable) -> Callable:
