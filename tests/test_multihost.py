@@ -158,13 +158,12 @@ def test_a_dry_run_of_two_processes_plans_what_one_process_of_two_hosts_plans(tm
     proc = launch_local(workdir, 4, pmap, "--dry_run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not workdir.exists()
+    # The same plan, but for the devices and the batch's split over processes.
+    same = [line for line in one.splitlines() if not line.startswith(("Devices:", "Batch:"))]
+    assert any("leaving a host across hosts" in line for line in same)
     for process in ("[p0] ", "[p1] "):
         plan = [line[len(process):] for line in proc.stdout.splitlines()
                 if line.startswith(process)]
         assert "Devices: 8 x cpu (cpu), 2 processes; mesh hosts=2, local=4" in plan
-        # The same plan, but for the devices and the batch's split over processes.
-        same = [line for line in one.splitlines()
-                if not line.startswith(("Devices:", "Batch:"))]
         assert [line for line in plan if not line.startswith(("Devices:", "Batch:"))] \
             == same, "\n".join(plan)
-        assert any("leaving a host across hosts" in line for line in same)
