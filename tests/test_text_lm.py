@@ -5,6 +5,7 @@ input fails at start with one line."""
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -146,16 +147,23 @@ def test_a_run_killed_mid_epoch_resumes_on_another_topology(corpus, checkpointed
                                rtol=1e-5)
 
 
-def test_the_trained_run_samples_the_same_text_for_the_same_seed(checkpointed):
+def test_the_trained_run_samples_the_same_text_for_the_same_seed(checkpointed, tmp_path):
+    cache = tmp_path / "compile_cache"  # the run's compile_cache_dir is "": this variable
+
     def sample(*args):
         proc = subprocess.run([sys.executable, "-m", "jdp.sample", f"--workdir={checkpointed}",
                                "--prompt=def ", "--max_new_tokens=20", *args], cwd=REPO,
-                              env=main_env(1), capture_output=True, text=True, timeout=300)
+                              env=main_env(1, JDP_COMPILE_CACHE_DIR=str(cache)),
+                              capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.startswith("def ")
         return proc.stdout
 
-    assert sample("--seed=3") == sample("--seed=3")
+    first = sample("--seed=3")
+    written = sorted(os.listdir(cache))
+    assert any(name.startswith("jit_run-") for name in written), written
+    assert sample("--seed=3") == first
+    assert sorted(os.listdir(cache)) == written  # the second compiled nothing: read back
     assert sample("--temperature=0") == sample("--temperature=0", "--seed=9")  # greedy
 
 

@@ -3,7 +3,9 @@
 Loads the run's own experiment file and config (as the workdir recorded them), its
 tokenizer (`data.tokenizer`) and the newest checkpoint's params, then continues the
 prompt with the model's key/value cache (`jdp.models.decoding`): `--temperature=0` is
-greedy, and a fixed `--seed` gives the same text every time. Runs on one device.
+greedy, and a fixed `--seed` gives the same text every time. Runs on one device,
+with the run's compilation cache (`compile_cache_dir`): the decoding programs compile
+once, and later samples read them back.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from jdp.errors import ConfigError
 from jdp.experiment import loader
 from jdp.models import decoding
 from jdp.models.transformer import Transformer
+from jdp.runtime import compile_cache
 
 RUN_FILE = "run.json"  # in the workdir: which experiment file trained it
 
@@ -73,6 +76,7 @@ def load(workdir: str) -> Sampler:
         experiment = loader.load(json.load(f)["experiment_file"])
     with open(config_file) as f:
         config = ml_collections.ConfigDict(json.load(f))
+    compile_cache.enable(compile_cache.resolve_dir(config.get("compile_cache_dir", "")))
     model = experiment.build_model(config)
     tokens = np.zeros((1, min(config.data.seq_len, model.max_len)), np.int32)
     abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, train=False))
