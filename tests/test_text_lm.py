@@ -148,7 +148,8 @@ def test_a_run_killed_mid_epoch_resumes_on_another_topology(corpus, checkpointed
 
 
 def test_the_trained_run_samples_the_same_text_for_the_same_seed(checkpointed, tmp_path):
-    cache = tmp_path / "compile_cache"  # the run's compile_cache_dir is "": this variable
+    # The run's compile_cache_dir is "", so the sampler uses $JDP_COMPILE_CACHE_DIR.
+    cache = tmp_path / "compile_cache"
 
     def sample(*args):
         proc = subprocess.run([sys.executable, "-m", "jdp.sample", f"--workdir={checkpointed}",
