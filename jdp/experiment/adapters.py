@@ -7,6 +7,11 @@ model_state)`, where `inputs` is the tuple of batch features the task names
 params are what the optimizer updates, model_state is the rest (BatchNorm
 statistics; NNX RNG counters). Both are plain pytrees, so the backends, the
 optimizer and Orbax need not know which API built them.
+
+`init` is jitted once per Model: jax then traces the module's init once for given
+input shapes, however many programs call it. A run calls it on one example's zeros
+in the start-up check, in the state's shapes and in the sharded init of the state,
+and the check's trace is the one they reuse.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ def from_linen(module: nn.Module) -> Model:
             return outputs, {**model_state, **updated}
         return module.apply(variables, *inputs, train=train, rngs=rngs), model_state
 
-    return Model(init, apply)
+    return Model(jax.jit(init), apply)
 
 
 def from_nnx(factory: Callable[[nnx.Rngs], nnx.Module]) -> Model:
@@ -75,7 +80,7 @@ def from_nnx(factory: Callable[[nnx.Rngs], nnx.Module]) -> Model:
         outputs = module(*inputs)
         return outputs, split(module)[1]
 
-    return Model(init, apply)
+    return Model(jax.jit(init), apply)
 
 
 def build(build_model: Callable, config, num_classes: int | None) -> Model:

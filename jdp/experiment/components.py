@@ -105,7 +105,8 @@ def _device_features(experiment: Experiment, components: Components, batch: dict
 
 
 def _check_task(experiment: Experiment, components: Components) -> task_lib.Objective:
-    """Traces model + objectives on a two-example batch; returns the abstract eval objective."""
+    """Initialises the model on one example and traces model + objectives on a two-example
+    batch, all abstractly; returns the abstract eval objective."""
     task_name = experiment.function_name("build_task")
     rows = 2
     batch = {key: np.stack([value] * rows) for key, value in components.sample.items()}
@@ -117,23 +118,33 @@ def _check_task(experiment: Experiment, components: Components) -> task_lib.Obje
             f"examples (they have {features}). Fix: name those features in "
             "Task(inputs=...), or return them from the preprocessing in build_data.")
 
-    def trace(batch):
+    def trace(batch, params, model_state):
         if components.data.device_preprocess is not None:
             batch = components.data.device_preprocess(batch)
-        rng = jax.random.key(0)
-        params, model_state = components.model.init(rng, components.task.model_inputs(batch))
         outputs, _ = components.model.apply(params, model_state,
-                                            components.task.model_inputs(batch), True, rng)
+                                            components.task.model_inputs(batch), True,
+                                            jax.random.key(0))
         return (components.task.objective_for(train=True)(outputs, batch),
                 components.task.objective_for(train=False)(outputs, batch))
 
-    # Traced as one device of the mapped data axes (hosts, local), which BatchNorm
-    # over the global batch names; the leading axes of 1 are dropped again.
-    one_device = jax.vmap(jax.vmap(trace, axis_name=LOCAL_AXIS), axis_name=HOSTS_AXIS)
+    # The model is initialised as the run initialises it (one example's zeros, outside
+    # any mapped axis), so the run reuses this trace of its init (adapters.py). The
+    # model and objectives are traced as one device of the mapped data axes (hosts,
+    # local), which BatchNorm over the global batch names; the leading axes of 1 are
+    # dropped again.
+    one_device = jax.vmap(jax.vmap(trace, in_axes=(0, None, None), axis_name=LOCAL_AXIS),
+                          in_axes=(0, None, None), axis_name=HOSTS_AXIS)
+    try:
+        variables = jax.eval_shape(components.model.init, jax.random.key(0),
+                                   components.sample_inputs())
+    except (KeyError, ValueError, TypeError) as e:
+        raise ConfigError(f"{experiment.function_name('build_model')}: initialising the model "
+                          f"on one example failed: {type(e).__name__}: {e}") from e
     try:
         objectives = jax.tree.map(
             lambda s: jax.ShapeDtypeStruct(s.shape[2:], s.dtype),
-            jax.eval_shape(one_device, jax.tree.map(lambda x: x[None, None], batch)))
+            jax.eval_shape(one_device, jax.tree.map(lambda x: x[None, None], batch),
+                           *variables))
     except KeyError as e:
         raise ConfigError(
             f"{task_name}: the objective reads batch[{e.args[0]!r}], which the preprocessing "
