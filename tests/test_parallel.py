@@ -44,6 +44,41 @@ def test_hlo_reader_sees_an_all_reduce_inside_a_loop():
     assert [r.in_loop for r in hlo.all_reduces(text)] == [True]
 
 
+def test_fused_psum_sums_each_leaf_as_its_own_psum_in_one_all_reduce_per_buffer():
+    """The CPU reduction's packing (reducers.fused_psum): mixed dtypes, a scalar, a leaf
+    larger than a bucket; bitwise the sums of per-leaf psums, with an all-reduce per
+    (dtype, bucket) instead of one operand per leaf."""
+    from jdp.parallel.reducers import fused_psum
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(0)
+    tree = {"a": rng.normal(size=(8, 3, 5)).astype(np.float32),
+            "b": rng.normal(size=(8,)).astype(np.float32),  # a scalar on each device
+            "c": rng.normal(size=(8, 32)).astype(jax.numpy.bfloat16),
+            "d": rng.normal(size=(8, 40)).astype(np.float32),
+            "e": rng.normal(size=(8, 2, 2)).astype(jax.numpy.bfloat16)}
+
+    def program(psum):
+        def device(t):
+            return psum(jax.tree.map(lambda x: x[0], t))
+        return jax.jit(jax.shard_map(device, mesh=mesh, in_specs=jax.P("data"),
+                                     out_specs=jax.P(), check_vma=False))
+
+    reference = program(lambda t: jax.lax.psum(t, "data"))
+    # 100 bytes a bucket: a + b (64 bytes) share one, d (160 bytes) is one alone, and
+    # c + e (72 bytes) travel in bfloat16.
+    fused = program(lambda t: fused_psum(t, "data", bucket_bytes=100))
+    expected, got = reference(tree), fused(tree)
+    for name in tree:
+        assert got[name].dtype == expected[name].dtype and got[name].shape == expected[name].shape
+        np.testing.assert_array_equal(np.asarray(got[name], np.float32),
+                                      np.asarray(expected[name], np.float32), err_msg=name)
+    lowered = fused.lower(tree).as_text(dialect="hlo")
+    reduces = hlo.all_reduces(lowered)
+    assert sorted(r.bytes for r in reduces) == [64, 72, 160], reduces
+    assert len(hlo.all_reduces(reference.lower(tree).as_text(dialect="hlo"))) == len(tree)
+
+
 def _gradient_reduce_bytes(lowered_text):
     return sum(r.bytes for r in hlo.all_reduces(lowered_text))
 

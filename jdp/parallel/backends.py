@@ -95,7 +95,8 @@ class Backend:
             shard_params=opts.shard_params, shard_optimizer_state=opts.shard_optimizer_state,
             param_specs=param_specs, optimizer_specs=optimizer_specs,
             cross_host=opts.cross_host_reduce, error_feedback=opts.error_feedback,
-            hosts=self.mesh.shape[HOSTS_AXIS], local=self.mesh.shape[LOCAL_AXIS])
+            hosts=self.mesh.shape[HOSTS_AXIS], local=self.mesh.shape[LOCAL_AXIS],
+            fuse=self.mesh.devices.flat[0].platform == "cpu")
 
     # -- state: the canonical form is global arrays over the mesh ----------------
     def global_shardings(self, abstract_state: TrainState):
