@@ -31,6 +31,17 @@ def test_a_known_timeline_splits_exactly():
     assert result.overlap_fraction() == pytest.approx(1 / 3)
 
 
+@pytest.mark.parametrize("name, collective", [
+    ("all-reduce.3", True), ("psum.7", True), ("psum_scatter.2", True),
+    ("all-gather-start.1", True), ("all_gather.4", True), ("ppermute.1", True),
+    ("ncclDevKernel_AllReduce_Sum_f32", True), ("fusion.12", False), ("dot.5", False),
+    ("copy.3", False), ("reduce.9", False)])
+def test_collectives_are_told_by_xlas_names_and_by_jaxs(name, collective):
+    # An XLA:CPU trace names an operation as its HLO instruction: jax's psum of one
+    # buffer (the CPU gradient all-reduce) keeps jax's name, `psum.N`.
+    assert bool(trace_phases._COLLECTIVE.search(name)) is collective
+
+
 @pytest.fixture(scope="module")
 def profiled_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("profiled")

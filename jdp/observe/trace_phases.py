@@ -17,7 +17,9 @@ compute + exposed collectives + host wait + idle = the window, per device; the
 figures are means over devices. Device work is every trace event with an `hlo_op`
 stat (CPU: on the host's XLA threads, grouped by `device_ordinal`), or on a GPU
 plane's stream lines; a collective is an all-reduce, all-gather, reduce-scatter,
-all-to-all, collective-permute or NCCL kernel.
+all-to-all, collective-permute or NCCL kernel, by XLA's name for it or by jax's
+(an XLA:CPU trace names each operation as the HLO instruction: `all-reduce.3` where
+XLA combined psums, `psum.7` where jax's psum reached XLA as it is).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import os
 import re
 
 _COLLECTIVE = re.compile(r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute"
-                         r"|collective-broadcast|nccl", re.IGNORECASE)
+                         r"|collective-broadcast|nccl"
+                         r"|\b(psum|pmax|pmin|all_gather|reduce_scatter|all_to_all|ppermute)",
+                         re.IGNORECASE)
 STEP_ANNOTATION = "train"  # jdp.observe.profiling.StepProfiler's step name
 
 Interval = tuple[float, float]
