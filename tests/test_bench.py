@@ -68,3 +68,13 @@ def test_step_overhead_refuses_device_counts_it_cannot_measure(devices, message,
         main(["step_overhead", f"--devices={devices}"])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("hosts", ["3", "0"])
+def test_memory_refuses_hosts_that_do_not_divide_the_devices_in_one_line(hosts, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["memory", f"--hosts={hosts}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"--hosts={hosts}: this process has 8 devices") and "Fix:" in err

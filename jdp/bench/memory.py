@@ -10,6 +10,8 @@ count. Communication is what each device sends per step with ring algorithms.
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,6 +70,12 @@ def step_memory(args, layout: str) -> tuple[int, int, float]:
 
 
 def run(args) -> None:
+    if args.hosts < 1 or jax.device_count() % args.hosts:
+        print(f"--hosts={args.hosts}: this process has {jax.device_count()} devices, which "
+              f"{args.hosts} hosts do not divide. Fix: --hosts=1, or more devices "
+              "(XLA_FLAGS=--xla_force_host_platform_device_count=8 simulates 8 on a CPU).",
+              file=sys.stderr)
+        raise SystemExit(2)
     totals = {}
     for layout in LAYOUTS:
         if layout.endswith("_host") and args.hosts < 2:
