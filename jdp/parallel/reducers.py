@@ -82,6 +82,11 @@ def fused_psum(tree, axis, bucket_bytes: int = FUSED_BUCKET_BYTES):
     return jax.tree.unflatten(treedef, summed)
 
 
+def _psum(tree, axis, fuse: bool):
+    """The reducers' all-reduce: packed (`fused_psum`) where `fuse` (on CPU), else as is."""
+    return fused_psum(tree, axis) if fuse else jax.lax.psum(tree, axis)
+
+
 @dataclasses.dataclass(frozen=True)
 class Reducer:
     """Sums one device's gradient and metric sums over the data axes.
@@ -95,9 +100,6 @@ class Reducer:
 
     reduce_dtype: Any = jnp.float32
     fuse: bool = False  # all-reduce packed buffers (`fused_psum`): on CPU
-
-    def _psum(self, tree, axis):
-        return fused_psum(tree, axis) if self.fuse else jax.lax.psum(tree, axis)
 
     def gather_params(self, params):
         return params
@@ -132,15 +134,14 @@ class AcrossHosts:
         """`specs`: how each leaf is split inside the host (`parts` holds the whole leaf,
         summed over the host, where a spec splits nothing)."""
         if not self.two_level.compressed:
-            psum = fused_psum if self.fuse else jax.lax.psum
-            return psum(parts, HOSTS_AXIS), residuals
+            return _psum(parts, HOSTS_AXIS, self.fuse), residuals
         # Only the split leaves travel compressed: a leaf every device of a host holds
         # whole must come back identical on all of them, and a block's int8 scale
         # depends on its neighbours, which differ from device to device.
         leaves, treedef = jax.tree.flatten(parts)
         split = [split_dim(spec) is not None for spec in treedef.flatten_up_to(specs)]
-        whole = jax.lax.psum([leaf for leaf, s in zip(leaves, split, strict=True) if not s],
-                             HOSTS_AXIS)
+        whole = _psum([leaf for leaf, s in zip(leaves, split, strict=True) if not s],
+                      HOSTS_AXIS, self.fuse)
         flat, unravel = jax.flatten_util.ravel_pytree(
             [leaf for leaf, s in zip(leaves, split, strict=True) if s])
         size = flat.size
@@ -169,7 +170,7 @@ class AcrossHosts:
 @dataclasses.dataclass(frozen=True)
 class Flat(Reducer):
     def reduce(self, grads, flat_sums, residuals):
-        grads, flat_sums = self._psum((self._cast(grads), flat_sums), DATA_AXIS)
+        grads, flat_sums = _psum((self._cast(grads), flat_sums), DATA_AXIS, self.fuse)
         return grads, flat_sums, residuals
 
 
@@ -188,9 +189,10 @@ class ZeroScatter(Reducer):
         dims = [split_dim(spec) for spec in treedef.flatten_up_to(self.specs)]
         whole = [leaf for leaf, dim in zip(leaves, dims, strict=True) if dim is None]
         if self.across is None:
-            whole, flat_sums = self._psum((whole, flat_sums), DATA_AXIS)
+            whole, flat_sums = _psum((whole, flat_sums), DATA_AXIS, self.fuse)
         else:
-            whole, flat_sums = self._psum(whole, self.axis), jax.lax.psum(flat_sums, DATA_AXIS)
+            whole = _psum(whole, self.axis, self.fuse)
+            flat_sums = jax.lax.psum(flat_sums, DATA_AXIS)
         whole = iter(whole)
         reduced = jax.tree.unflatten(treedef, [
             next(whole) if dim is None else
