@@ -210,14 +210,26 @@ def run_killing_one_trainer(main_args, *, max_restarts: int, reached, timeout_s:
     launcher = subprocess.Popen(
         two_processes_command(main_command(*main_args), 4, f"--max_restarts={max_restarts}"),
         cwd=REPO, env=main_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def fail_showing_stderr(what: str):
+        launcher.kill()  # its trainers die with it
+        raise AssertionError(f"{what}; the job's stderr ends:\n"
+                             f"{launcher.communicate()[1][-6000:]}") from None
+
     try:
-        wait_for(lambda: reached() or launcher.poll() is not None, timeout_s, "the kill point",
-                 poll_s=0.05)
+        try:
+            wait_for(lambda: reached() or launcher.poll() is not None, timeout_s,
+                     "the kill point", poll_s=0.05)
+        except TimeoutError as e:
+            fail_showing_stderr(str(e))
         assert launcher.poll() is None, "the launcher ended before the kill point"
         trainers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
                                   text=True).stdout.split()
         os.kill(int(trainers[-1]), signal.SIGKILL)
-        _, stderr = launcher.communicate(timeout=finish_timeout_s)
+        try:
+            _, stderr = launcher.communicate(timeout=finish_timeout_s)
+        except subprocess.TimeoutExpired:
+            fail_showing_stderr(f"the job did not end within {finish_timeout_s} s of the kill")
     finally:
         launcher.kill()
     return launcher.returncode, stderr

@@ -342,6 +342,25 @@ def test_a_save_killed_before_its_commit_does_not_count(open_checkpointer, ckpt_
     assert not (ckpt_dir / "20.orbax-checkpoint-tmp").exists()
 
 
+def test_a_killed_saves_leftover_is_gone_before_orbax_lists_the_steps(open_checkpointer,
+                                                                      ckpt_dir, monkeypatch):
+    """Every process decides from the directory alone whether to take part in process 0's
+    broadcast of the steps; a leftover removed while they look (a gs:// directory holding
+    only it then stops existing) would make two processes decide differently."""
+    (ckpt_dir / "20.orbax-checkpoint-tmp" / "default").mkdir(parents=True)
+    (ckpt_dir / "20.orbax-checkpoint-tmp" / "default" / "shard").write_bytes(b"half")
+    seen_by_orbax = []
+    orbax_init = ocp.CheckpointManager.__init__
+
+    def listing_init(self, directory, *args, **kwargs):
+        seen_by_orbax.append(sorted(os.listdir(directory)))
+        orbax_init(self, directory, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "__init__", listing_init)
+    assert open_checkpointer().latest_step() is None
+    assert seen_by_orbax == [[]]
+
+
 def test_max_to_keep_keeps_the_newest(open_checkpointer, ckpt_dir):
     state = placed(make_state(), replicated(mesh_of(8)))
     checkpointer = open_checkpointer(max_to_keep=2)

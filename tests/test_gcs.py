@@ -260,6 +260,10 @@ def test_a_text_run_in_a_bucket_workdir_needs_a_local_token_dir(gcs, tmp_path):
 @pytest.mark.slow
 def test_a_killed_process_of_two_restarts_and_logs_each_step_once_in_the_bucket(gcs):
     workdir = new_bucket(gcs, "restarted") + "/run"
+    # An earlier job's save killed midway, the only thing in the directory: removing it
+    # empties the directory while the processes look for steps, at the start and again at
+    # the restart if the kill lands in a save.
+    gcs.pipe_file(f"{workdir}/checkpoints/100/default/array", b"half")
     returncode, stderr = run_killing_one_trainer(
         (f"--config={VIT}", f"--workdir={workdir}", *SETTINGS, "--config.total_steps=12",
          "--config.checkpoint.every_steps=4", "--config.watchdog_timeout_s=60"),
@@ -268,6 +272,7 @@ def test_a_killed_process_of_two_restarts_and_logs_each_step_once_in_the_bucket(
     assert returncode == 0, stderr[-3000:]
     assert "restart 1 of 1" in stderr
     assert bucket_steps(workdir) == list(range(1, 13))
+    assert not gcs.exists(f"{workdir}/checkpoints/100")
 
 
 def test_data_files_in_a_bucket_are_read_by_glob(gcs, tmp_path, monkeypatch):

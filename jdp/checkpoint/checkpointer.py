@@ -117,6 +117,23 @@ def _register_array_handler() -> None:
     )
 
 
+def _remove_unfinished_saves(root: epath.Path) -> None:
+    """Process 0 removes the leftovers of saves killed midway (a rerun of that step would
+    replace its own), and no process lists the steps before it is done.
+
+    Orbax's own clean-up runs on a thread of process 0 while every process checks whether
+    the directory exists to decide whether to take part in process 0's broadcast of the
+    steps. In a gs:// bucket a directory exists only while it holds an object, so removing
+    the one unfinished save it held could land between two processes' checks: one waited
+    in the broadcast, the other at the next barrier, until Orbax's barrier timeout.
+    """
+    if jax.process_index() == 0:
+        for leftover in ocp.path.step.all_temporary_paths(root):
+            leftover.get().rmtree()
+    ocp.multihost.sync_global_processes(
+        "jdp:checkpoint:unfinished_saves_removed", processes=set(range(jax.process_count())))
+
+
 class Checkpointer:
     """Saves and restores the train state of one run; every process makes the same calls.
 
@@ -160,6 +177,7 @@ class Checkpointer:
         # device collectives there would meet the train step's in a different order on
         # each process. Orbax creates the directory only without such a list.
         root.mkdir(parents=True, exist_ok=True)
+        _remove_unfinished_saves(root)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=_preservation_policy(max_to_keep, best_fn, best_mode),
             # Orbax writes the metrics next to each step (and reads them back on restart)
@@ -167,8 +185,8 @@ class Checkpointer:
             best_fn=best_fn,
             best_mode=best_mode,
             enable_async_checkpointing=async_save,
-            # Leftovers of saves killed midway; a rerun of that step would replace its own.
-            cleanup_tmp_directories=True,
+            # Done above, before any process lists the steps.
+            cleanup_tmp_directories=False,
             # Process 0 lists the steps and broadcasts them, so all processes agree.
             single_host_load_and_broadcast=True,
             create=False,
