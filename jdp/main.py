@@ -205,18 +205,19 @@ def start_up(argv) -> str:
 
 def main(argv) -> None:
     config_path = start_up(argv)
-    try:
-        result = run(_CONFIG.value, config_path, _WORKDIR.value, dry_run=_DRY_RUN.value,
-                     device_memory_gib=_DEVICE_MEMORY.value, step_time_s=_STEP_TIME.value)
-    except (CheckpointSaveError, HookError) as e:
-        fail(str(e), exit_codes.FAILED)
-    except (ConfigError, UsageError, CheckpointError, distributed.MismatchError) as e:
-        fail(str(e))
-    except NonFiniteError as e:
-        fail(str(e), exit_codes.NONFINITE)
-    except Preempted as e:
-        logging.info("%s", e)
-        sys.exit(exit_codes.PREEMPTED)
+    with distributed.ending_promptly_on_failure():
+        try:
+            result = run(_CONFIG.value, config_path, _WORKDIR.value, dry_run=_DRY_RUN.value,
+                         device_memory_gib=_DEVICE_MEMORY.value, step_time_s=_STEP_TIME.value)
+        except (CheckpointSaveError, HookError) as e:
+            fail(str(e), exit_codes.FAILED)
+        except (ConfigError, UsageError, CheckpointError, distributed.MismatchError) as e:
+            fail(str(e))
+        except NonFiniteError as e:
+            fail(str(e), exit_codes.NONFINITE)
+        except Preempted as e:
+            logging.info("%s", e)
+            sys.exit(exit_codes.PREEMPTED)
     if not _DRY_RUN.value:
         logging.info("final evaluation: %s", json.dumps(result.eval_metrics))
 

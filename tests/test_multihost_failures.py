@@ -115,6 +115,42 @@ def test_processes_with_different_configs_stop_at_start_naming_the_field(tmp_pat
     assert not os.path.exists(tmp_path / "config.json")
 
 
+# The shipped ViT, whose model cannot be built on process 1: a failure of one process
+# before training starts, where the watchdog does not yet judge anyone.
+FAILS_ON_PROCESS_1 = """
+import importlib.util
+
+import jax
+
+_spec = importlib.util.spec_from_file_location("shipped_vit", {vit!r})
+_vit = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_vit)
+get_config = _vit.get_config
+
+
+def build_model(config, *, num_classes):
+    if jax.process_index() == 1:
+        raise RuntimeError("no model on process 1")
+    return _vit.build_model(config, num_classes=num_classes)
+"""
+
+
+def test_a_process_that_fails_at_start_ends_the_job_within_seconds(tmp_path):
+    """Its peer waits for it in a collective or a barrier: the failing process exits
+    without jax's exit barrier (which would wait for that peer for 300 s), so the
+    launcher sees its status at once and stops the other."""
+    experiment = tmp_path / "fails_on_process_1.py"
+    experiment.write_text(FAILS_ON_PROCESS_1.format(vit=os.path.join(REPO, VIT)))
+    started = time.monotonic()
+    proc = run_two_processes(main_command(f"--config={experiment}", f"--workdir={tmp_path}/run",
+                                          "--config.batch_size=64"), timeout=150)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "[p1] RuntimeError: no model on process 1" in proc.stderr, proc.stderr[-3000:]
+    assert "process 1 exited with status 1" in proc.stderr
+    assert elapsed < 150
+
+
 RESTARTED = ("--config.total_steps=12", "--config.warmup_steps=1", "--config.log_every_steps=1",
              "--config.eval_every_steps=0", "--config.batch_size=64",
              "--config.checkpoint.every_steps=4", "--config.watchdog_timeout_s=60")

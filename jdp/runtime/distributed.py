@@ -21,12 +21,14 @@ import math
 import os
 import threading
 import time
-from collections.abc import Mapping
+import traceback
+from collections.abc import Iterator, Mapping
+from typing import NoReturn
 
 import jax
 
 from jdp.errors import first_line
-from jdp.runtime import jax_compat, watchdog
+from jdp.runtime import exit_codes, jax_compat, watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,12 @@ HEARTBEAT_TIMEOUT_S = 60
 # legitimately finishing (a final checkpoint), so this keeps jax's generous
 # default; dead peers are caught by the heartbeat long before.
 SHUTDOWN_TIMEOUT_S = 300
+
+# How long a process that failed waits for the others to fail too (one error everywhere:
+# a bad config) before it ends without jax's exit barrier. The barrier would wait up to
+# SHUTDOWN_TIMEOUT_S for a peer that is waiting for this process in a collective or in
+# Orbax's barriers (up to 300 s): the launcher would learn of the failure only then.
+FAILED_EXIT_WAIT_S = 10
 
 ENV_COORDINATOR_ADDRESS = "JDP_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JDP_NUM_PROCESSES"
@@ -255,6 +263,46 @@ def _join_failure(launch: Launch, timeout_s: float) -> str:
         "firewall); and that every process was given the same coordinator address and number "
         "of processes. If processes start far apart, raise the timeout."
     )
+
+
+@contextlib.contextmanager
+def ending_promptly_on_failure() -> Iterator[None]:
+    """In a multi-process job, a failure in the body (an exception, or a SystemExit with
+    a status other than 0 or PREEMPTED) ends this process within FAILED_EXIT_WAIT_S, its
+    status unchanged, so that the launcher (or scheduler) stops and restarts the job at
+    once. A single process, a finished run and a preempted one (every process saved
+    at one step and leaves together) exit as usual."""
+    try:
+        yield
+    except SystemExit as e:
+        if e.code in (None, exit_codes.FINISHED, exit_codes.PREEMPTED) or _single_process():
+            raise
+        _exit_after_failure(e.code if isinstance(e.code, int) else exit_codes.FAILED)
+    except Exception:
+        if _single_process():
+            raise
+        traceback.print_exc()
+        _exit_after_failure(exit_codes.FAILED)
+
+
+def _single_process() -> bool:
+    state = jax_compat.distributed_state()
+    return state.client is None or state.num_processes == 1
+
+
+def _exit_after_failure(exit_code: int) -> NoReturn:
+    """Waits (bounded) for every process to fail, then exits without jax's exit barrier:
+    process 0 serves the coordination service, which the others may still need to
+    report the same error."""
+    state = jax_compat.distributed_state()
+    try:
+        state.client.wait_at_barrier("jdp/failed", FAILED_EXIT_WAIT_S * 1000)
+        message = ""
+    except jax.errors.JaxRuntimeError:
+        message = (f"jdp: process {state.process_id} failed and the other processes did not "
+                   f"within {FAILED_EXIT_WAIT_S} s; exiting with status {exit_code} without "
+                   "waiting for them")
+    watchdog.exit_now(message, exit_code)
 
 
 class MismatchError(ValueError):

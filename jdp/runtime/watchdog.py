@@ -52,7 +52,7 @@ SILENCE_LIMIT_S = 10.0
 
 
 def exit_now(message: str, exit_code: int = EXIT_CODE) -> NoReturn:
-    """Writes `message` to stderr and ends the process at once, from any thread.
+    """Writes `message` (if any) to stderr and ends the process at once, from any thread.
 
     `os._exit` skips atexit handlers on purpose: jax's handler waits for the
     other processes at a shutdown barrier, which is what we cannot afford.
@@ -63,7 +63,8 @@ def exit_now(message: str, exit_code: int = EXIT_CODE) -> NoReturn:
         except (OSError, ValueError):  # closed or broken; the report matters more
             pass
     try:
-        os.write(2, (message.rstrip("\n") + "\n").encode("utf-8", "replace"))
+        if message:
+            os.write(2, (message.rstrip("\n") + "\n").encode("utf-8", "replace"))
     finally:
         os._exit(exit_code)
 

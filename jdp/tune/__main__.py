@@ -64,13 +64,14 @@ def main(argv) -> None:
         jdp_main.fail("--dry_run and --step_time_s are jdp.main's. Fix: leave them out; the "
                       "tuner compiles every candidate from shapes itself.")
     config_path = jdp_main.start_up(argv)
-    try:
-        outcome = tune(flags.FLAGS.config, config_path, flags.FLAGS.workdir, _options())
-    except NothingFits as e:
-        print(e.table)
-        jdp_main.fail(str(e))
-    except (ConfigError, PlanError, distributed.MismatchError) as e:
-        jdp_main.fail(str(e))
+    with distributed.ending_promptly_on_failure():
+        try:
+            outcome = tune(flags.FLAGS.config, config_path, flags.FLAGS.workdir, _options())
+        except NothingFits as e:
+            print(e.table)
+            jdp_main.fail(str(e))
+        except (ConfigError, PlanError, distributed.MismatchError) as e:
+            jdp_main.fail(str(e))
     print(outcome.table)
     print(f"winner #{outcome.winner.candidate.index}: "
           f"{result.command_line(outcome.winner.candidate.overrides)}")
