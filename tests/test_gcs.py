@@ -151,6 +151,34 @@ def test_staging_is_removed_only_for_processes_of_this_machine_no_longer_running
         [os.path.basename(new), *[names[k] for k in names if k != "ended"]])
 
 
+def test_a_copy_killed_midway_is_removed_by_the_next_copy_of_this_machine(gcs, tmp_path,
+                                                                          monkeypatch):
+    from jdp.runtime import leftovers
+
+    monkeypatch.setenv("JDP_DATA_CACHE_DIR", str(tmp_path / "cache"))
+    bucket = new_bucket(gcs, "partials")
+    gcs.pipe_file(f"{bucket}/data.bin", b"data")
+    copy = storage.local_copy(f"{bucket}/data.bin")
+    version = tmp_path / "cache" / os.path.relpath(copy, tmp_path / "cache").split(os.sep)[0]
+    os.remove(copy)  # as if never copied, with partial copies of other processes beside it
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    host = leftovers.HOST
+    names = {"ended": f".partial-{host}-{ended.pid}-0a1b", "ended, a directory":
+             f".partial-{host}-{ended.pid}-2c3d", "running": f".partial-{host}-{os.getppid()}-4e5f",
+             "elsewhere": f".partial-other{host}-{ended.pid}-6a7b"}
+    for kind, name in names.items():
+        if kind.endswith("directory"):
+            (version / name).mkdir()
+            (version / name / "object").write_bytes(b"da")
+        else:
+            (version / name).write_bytes(b"da")
+    assert storage.local_copy(f"{bucket}/data.bin") == copy
+    assert open(copy, "rb").read() == b"data"
+    assert sorted(p.name for p in version.iterdir()) == sorted(
+        ["partials", names["running"], names["elsewhere"]])
+
+
 def test_metrics_in_the_bucket_read_back_equal_to_the_local_runs(killed_run, local_run):
     def deterministic(records):
         return [{k: r[k] for k in ("step", *DETERMINISTIC) if k in r} for r in records]

@@ -207,7 +207,8 @@ def local_copy(url: str) -> str:
     """A local copy of bucket object or directory `url`, for readers that take local paths
     only (array_record's, so TFDS's too). Made once per version of the objects, under
     $JDP_DATA_CACHE_DIR (default ~/.cache/jdp/bucket_data): copied to a temporary name,
-    then renamed, so processes sharing the cache never read a partial copy."""
+    then renamed, so processes sharing the cache never read a partial copy. The partial
+    copies of processes of this machine that were killed midway are removed first."""
     fs = _filesystem()
     objects = fs.find(url, detail=True) if fs.isdir(url) else {url: fs.info(url)}
     version = hashlib.sha1(json.dumps(sorted(
@@ -218,8 +219,9 @@ def local_copy(url: str) -> str:
     target = os.path.join(root, version, url[len(BUCKET_PREFIX):])
     if os.path.exists(target):
         return target
-    tmp = os.path.join(root, version, f".partial-{uuid.uuid4().hex}")
     os.makedirs(os.path.dirname(target), exist_ok=True)
+    leftovers.remove_dead(os.path.join(root, version), r"\.partial", "[0-9a-f]+")
+    tmp = os.path.join(root, version, f".partial-{leftovers.tag()}-{uuid.uuid4().hex}")
     if len(objects) == 1 and url in objects:
         fs.get_file(url, tmp)
     else:
