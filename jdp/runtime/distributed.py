@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import traceback
@@ -277,6 +278,8 @@ def ending_promptly_on_failure() -> Iterator[None]:
     except SystemExit as e:
         if e.code in (None, exit_codes.FINISHED, exit_codes.PREEMPTED) or _single_process():
             raise
+        if not isinstance(e.code, int):  # sys.exit("message"): Python prints it, status 1
+            print(e.code, file=sys.stderr)
         _exit_after_failure(e.code if isinstance(e.code, int) else exit_codes.FAILED)
     except Exception:
         if _single_process():
