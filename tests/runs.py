@@ -206,15 +206,23 @@ def run_killing_one_trainer(main_args, *, max_restarts: int, reached, timeout_s:
     SIGKILLed (failing if the launcher ended first), and the job has `finish_timeout_s`
     to end. Returns the launcher's (exit status, stderr)."""
     import signal
+    import threading
 
     launcher = subprocess.Popen(
         two_processes_command(main_command(*main_args), 4, f"--max_restarts={max_restarts}"),
         cwd=REPO, env=main_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Read as it comes: a job blocked on a full pipe would look like a hang.
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(launcher.stderr), daemon=True)
+    reader.start()
+
+    def stderr() -> str:
+        reader.join(timeout=30)
+        return "".join(lines)
 
     def fail_showing_stderr(what: str):
         launcher.kill()  # its trainers die with it
-        raise AssertionError(f"{what}; the job's stderr ends:\n"
-                             f"{launcher.communicate()[1][-6000:]}") from None
+        raise AssertionError(f"{what}; the job's stderr ends:\n{stderr()[-6000:]}") from None
 
     try:
         try:
@@ -227,12 +235,12 @@ def run_killing_one_trainer(main_args, *, max_restarts: int, reached, timeout_s:
                                   text=True).stdout.split()
         os.kill(int(trainers[-1]), signal.SIGKILL)
         try:
-            _, stderr = launcher.communicate(timeout=finish_timeout_s)
+            launcher.wait(timeout=finish_timeout_s)
         except subprocess.TimeoutExpired:
             fail_showing_stderr(f"the job did not end within {finish_timeout_s} s of the kill")
     finally:
         launcher.kill()
-    return launcher.returncode, stderr
+    return launcher.returncode, stderr()
 
 
 def logged_steps(workdir) -> list[int]:
