@@ -276,21 +276,23 @@ def ending_promptly_on_failure() -> Iterator[None]:
     try:
         yield
     except SystemExit as e:
-        if e.code in (None, exit_codes.FINISHED, exit_codes.PREEMPTED) or _single_process():
+        if e.code in (None, exit_codes.FINISHED, exit_codes.PREEMPTED) or job_state() is None:
             raise
         if not isinstance(e.code, int):  # sys.exit("message"): Python prints it, status 1
             print(e.code, file=sys.stderr)
         _exit_after_failure(e.code if isinstance(e.code, int) else exit_codes.FAILED)
     except Exception:
-        if _single_process():
+        if job_state() is None:
             raise
         traceback.print_exc()
         _exit_after_failure(exit_codes.FAILED)
 
 
-def _single_process() -> bool:
+def job_state():
+    """jax.distributed's state (`.client`, `.process_id`, `.num_processes`) when this
+    process is one of several in a job; None when it runs alone."""
     state = jax_compat.distributed_state()
-    return state.client is None or state.num_processes == 1
+    return None if state.client is None or state.num_processes == 1 else state
 
 
 def _exit_after_failure(exit_code: int) -> NoReturn:
@@ -320,8 +322,8 @@ def check_same_across_processes(values: dict[str, str], *, timeout_s: float = 60
     so the cost stays small with many processes. Raises TimeoutError when not
     every process arrives within `timeout_s`. No-op for a single process.
     """
-    state = jax_compat.distributed_state()
-    if state.client is None or state.num_processes == 1:
+    state = job_state()
+    if state is None:
         return
     client, me = state.client, state.process_id
     round_dir = f"jdp/same/{next(_check_rounds)}"

@@ -12,7 +12,7 @@ import json
 import jax
 from jax.experimental import multihost_utils
 
-from jdp.runtime import jax_compat
+from jdp.runtime import distributed
 
 _rounds = itertools.count()  # advances identically on every process: the same code runs
 
@@ -20,8 +20,8 @@ _rounds = itertools.count()  # advances identically on every process: the same c
 def from_process_0(value, *, timeout_s: float = 1800.0):
     """Process 0's `value` (anything JSON can carry), on every process; `value` itself
     with one process."""
-    state = jax_compat.distributed_state()
-    if state.client is None or state.num_processes == 1:
+    state = distributed.job_state()
+    if state is None:
         return value
     key = f"jdp/tune/{next(_rounds)}"
     if state.process_id == 0:
