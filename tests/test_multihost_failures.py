@@ -138,17 +138,15 @@ def build_model(config, *, num_classes):
 def test_a_process_that_fails_at_start_ends_the_job_within_seconds(tmp_path):
     """Its peer waits for it in a collective or a barrier: the failing process exits
     without jax's exit barrier (which would wait for that peer for 300 s), so the
-    launcher sees its status at once and stops the other."""
+    launcher sees its status at once and stops the other. Past 150 s the job is killed
+    and the test fails."""
     experiment = tmp_path / "fails_on_process_1.py"
     experiment.write_text(FAILS_ON_PROCESS_1.format(vit=os.path.join(REPO, VIT)))
-    started = time.monotonic()
     proc = run_two_processes(main_command(f"--config={experiment}", f"--workdir={tmp_path}/run",
                                           "--config.batch_size=64"), timeout=150)
-    elapsed = time.monotonic() - started
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "[p1] RuntimeError: no model on process 1" in proc.stderr, proc.stderr[-3000:]
     assert "process 1 exited with status 1" in proc.stderr
-    assert elapsed < 150
 
 
 RESTARTED = ("--config.total_steps=12", "--config.warmup_steps=1", "--config.log_every_steps=1",
