@@ -339,12 +339,6 @@ def test_sbatch_script_one_task_per_node(slurm_cluster, tmp_path):
 
 # Stand-ins for `python -m jdp.main` in the requeue tests: each run of each
 # task first appends "task restart_count" to DIR/runs, then does one of these.
-EXIT_ON_FIRST_RUN = """
-    marker = DIR / f"stopped.{task}"
-    if not marker.exists():
-        marker.touch()
-        sys.exit(STATUS)
-"""
 EXIT_ON_SIGTERM_IN_FIRST_RUN = """
     marker = DIR / f"stopped.{task}"
     if not marker.exists():
@@ -370,6 +364,13 @@ EXIT_ALWAYS = """
         time.sleep(0.01)
     sys.exit(STATUS)
 """
+# The first run of each task does EXIT_ALWAYS (so the race above cannot decide the
+# step's status either), the second exits 0.
+EXIT_ON_FIRST_RUN = """
+    marker = DIR / f"stopped.{task}"
+    if not marker.exists():
+        marker.touch()
+""" + textwrap.indent(EXIT_ALWAYS, "    ")
 
 
 def _requeue_job(tmp_path: Path, behaviour: str, status: int, **env: str) -> tuple[str, Path]:
