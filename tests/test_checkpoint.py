@@ -724,6 +724,13 @@ def test_two_processes_stop_at_one_step_and_save_what_one_process_restores(
     ]
     try:
         outputs = [worker.communicate(timeout=120)[0] for worker in workers]
+    except subprocess.TimeoutExpired:
+        for worker in workers:
+            worker.kill()
+        printed = [f"process {i}:\n{worker.communicate()[0][-3000:]}"
+                   for i, worker in enumerate(workers)]
+        pytest.fail("the two processes did not stop within 120 s; they printed\n"
+                    + "\n".join(printed))
     finally:
         for worker in workers:
             worker.kill()
