@@ -99,7 +99,6 @@ class Reducer:
     """
 
     reduce_dtype: Any = jnp.float32
-    fuse: bool = False  # all-reduce packed buffers (`fused_psum`): on CPU
 
     def gather_params(self, params):
         return params
@@ -169,6 +168,8 @@ class AcrossHosts:
 
 @dataclasses.dataclass(frozen=True)
 class Flat(Reducer):
+    fuse: bool = False  # all-reduce packed buffers (`fused_psum`): on CPU
+
     def reduce(self, grads, flat_sums, residuals):
         grads, flat_sums = _psum((self._cast(grads), flat_sums), DATA_AXIS, self.fuse)
         return grads, flat_sums, residuals
@@ -180,6 +181,7 @@ class ZeroScatter(Reducer):
     over `axis`; with `across` (hybrid: `axis` is `local`) the host's sums are then
     summed over the hosts."""
 
+    fuse: bool = False  # all-reduce packed buffers (`fused_psum`): on CPU
     specs: Any = None
     axis: Any = DATA_AXIS
     across: AcrossHosts | None = None
@@ -293,17 +295,19 @@ def make_reducer(*, reduction: str = "flat", reduce_dtype: str = "float32",
     params are gathered; ZeRO-1's are scattered to the optimizer state's shards unless
     the two-level reduction (which returns whole gradients) is asked for. The "host"
     modes shard inside hosts and reduce across them in two levels whatever
-    `reduction` says. `fuse`: all-reduce the leaves packed (`fused_psum`)."""
+    `reduction` says. `fuse`: all-reduce whole leaves packed (`fused_psum`): the flat and
+    ZeRO-1 reductions' and the sums across hosts (FSDP reduces each leaf in its gather's
+    transpose, the two-level reduction one flattened buffer)."""
     dtype = jnp.dtype(reduce_dtype)
     across = AcrossHosts(TwoLevel(cross_host, error_feedback, hosts, local), fuse)
     if shard_params == "host":
-        return Fsdp(dtype, fuse, specs=param_specs, axis=LOCAL_AXIS, across=across)
+        return Fsdp(dtype, specs=param_specs, axis=LOCAL_AXIS, across=across)
     if shard_optimizer_state == "host" and not shard_params:
         return ZeroScatter(dtype, fuse, specs=optimizer_specs, axis=LOCAL_AXIS, across=across)
     if shard_params:
-        return Fsdp(dtype, fuse, specs=param_specs)
+        return Fsdp(dtype, specs=param_specs)
     if reduction == "two_level":
-        return TwoLevelReducer(dtype, fuse, TwoLevel(cross_host, error_feedback, hosts, local))
+        return TwoLevelReducer(dtype, TwoLevel(cross_host, error_feedback, hosts, local))
     if shard_optimizer_state:
         return ZeroScatter(dtype, fuse, specs=optimizer_specs)
     return Flat(dtype, fuse)
