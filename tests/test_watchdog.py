@@ -233,20 +233,32 @@ def test_the_monitor_thread_calls_on_timeout_once():
 
 
 _STALL = """
-import time
+import threading, time
 from jdp.runtime.watchdog import Watchdog
+
+def a_collective_that_never_completes():
+    time.sleep(60)
+
+threading.Thread(target=time.sleep, args=(60,), name="saver", daemon=True).start()
 dog = Watchdog(0.5).start()
 dog.heartbeat(3)
-time.sleep(60)  # stands in for a collective that never completes
+a_collective_that_never_completes()
 """
 
 
 @pytest.mark.slow
-def test_a_stalled_process_exits_with_the_report(tmp_path):
+def test_a_stalled_process_exits_with_the_report_and_where_its_threads_wait(tmp_path):
     with run_processes(_STALL, [[]], tmp_path, devices=1) as [child]:
         [code] = wait_all([child], timeout_s=30)
     assert code == watchdog.EXIT_CODE
-    assert "jdp watchdog: process 0 of 1 gives up at step 3" in child.stderr
+    report, _, stacks = child.stderr.partition("Where this process's threads were when it gave up:")
+    assert "jdp watchdog: process 0 of 1 gives up at step 3" in report
+    # The main thread first, in the call it was stuck in; then the others by name, the
+    # watchdog's own monitor (which writes this) left out.
+    main, saver = stacks.split("Thread saver (most recent call last):")
+    assert main.strip().startswith("Thread MainThread (most recent call last):")
+    assert "in a_collective_that_never_completes" in main
+    assert "in run" in saver and "jdp-watchdog-monitor" not in stacks
 
 
 # -- killing one of two real processes --------------------------------------------------------

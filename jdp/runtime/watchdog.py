@@ -4,9 +4,10 @@ A `Watchdog` watches this process's training-loop heartbeats and, in a
 multi-process job, every other process's, published through the key-value
 store of jax.distributed's coordination service. When a process stops making
 progress for `timeout_s`, or the coordinator stops answering, it writes one
-report to stderr and ends the process with `os._exit`: the main thread may be
-blocked inside a collective that will never complete, so raising would not be
-enough.
+report to stderr, followed by where each of this process's threads was (the
+collective or barrier it waits in), and ends the process with `os._exit`: the
+main thread may be blocked inside a collective that will never complete, so
+raising would not be enough.
 
 Policy: nothing is judged before this process's first heartbeat (the first
 compilation may take minutes). From then on every process must keep making
@@ -34,6 +35,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import NoReturn, Protocol
 
@@ -69,6 +71,26 @@ def exit_now(message: str, exit_code: int = EXIT_CODE) -> NoReturn:
         os._exit(exit_code)
 
 
+def thread_stacks() -> str:
+    """Where each of this process's threads is, the main thread first: its name and its
+    stack (most recent call last). The calling thread is left out."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    frames = [(names.get(ident, f"0x{ident:x}"), frame)
+              for ident, frame in sys._current_frames().items()
+              if ident != threading.get_ident()]
+    frames.sort(key=lambda named: (named[0] != "MainThread", named[0]))
+    return "\n".join(f"Thread {name} (most recent call last):\n"
+                     + "".join(traceback.format_stack(frame)).rstrip("\n")
+                     for name, frame in frames)
+
+
+def give_up(report: str) -> NoReturn:
+    """The watchdog's end of a process: its report, then where this process's threads
+    were (what a stuck process waits in), then `exit_now`."""
+    exit_now(f"{report}\nWhere this process's threads were when it gave up:\n"
+             f"{thread_stacks()}")
+
+
 class KeyValueStore(Protocol):
     """The part of jax's coordination-service client (`DistributedRuntimeClient`) used here."""
 
@@ -102,7 +124,8 @@ class Watchdog:
     Args:
       timeout_s: longest time any process may go without progress.
       clock: monotonic seconds; injectable so the timing logic is testable.
-      on_timeout: called with the report instead of printing it and exiting.
+      on_timeout: called with the report instead of `give_up` (print it, then the
+        threads' stacks, and exit).
       kv_store, process_index, process_count: the job; by default jax's
         coordination-service client and this process's place in the job.
       poll_interval_s: how often to publish, read the others and check;
@@ -125,7 +148,7 @@ class Watchdog:
         state = jax_compat.distributed_state()  # the job as jax.distributed set it up
         self.timeout_s = timeout_s
         self._clock = clock
-        self._on_timeout = on_timeout or exit_now
+        self._on_timeout = on_timeout or give_up
         self._process_index = state.process_id if process_index is None else process_index
         self._process_count = state.num_processes if process_count is None else process_count
         if kv_store is None and self._process_count > 1:
