@@ -154,18 +154,45 @@ def main_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "jdp.main", *args]
 
 
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants, parents first."""
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
+                              text=True).stdout.split()
+    return [pid, *(p for child in children for p in _process_tree(int(child)))]
+
+
+def stacks_then_kill(*popens: subprocess.Popen, grace_s: float = 1.0) -> None:
+    """Kills these processes and their descendants, after asking each to write its threads'
+    stacks to stderr (SIGUSR2, which tests/site/sitecustomize.py registers): a test that
+    gives up on a hung job shows where every process of it waited. One process at a
+    time, `grace_s` apart: a job's processes often share one stderr."""
+    import signal
+
+    pids = [pid for popen in popens if popen.poll() is None for pid in _process_tree(popen.pid)]
+    for signum in (signal.SIGUSR2, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                continue
+            if signum == signal.SIGUSR2:
+                time.sleep(grace_s)
+
+
 def run_to_end(command, *, env, timeout: float) -> subprocess.CompletedProcess:
     """`command` run from the repository root with its output captured. Past `timeout`
-    it is killed and the test fails with the end of what it printed, so that a run that
-    hangs in CI says where."""
+    it is killed (`stacks_then_kill`) and the test fails with the end of what it printed,
+    so that a run that hangs in CI says where."""
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
-        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        printed = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part
-                          for part in (e.stdout or "", e.stderr or ""))
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stacks_then_kill(proc)
+        stdout, stderr = proc.communicate()
         raise AssertionError(f"killed after {timeout} s: {' '.join(command)}\n"
-                             f"... its last output:\n{printed[-6000:]}") from None
+                             f"... its last output:\n{(stdout + stderr)[-12000:]}") from None
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 def run_main(*args, devices=8, timeout=300) -> subprocess.CompletedProcess:
@@ -221,7 +248,7 @@ def run_killing_one_trainer(main_args, *, max_restarts: int, reached, timeout_s:
         return "".join(lines)
 
     def fail_showing_stderr(what: str):
-        launcher.kill()  # its trainers die with it
+        stacks_then_kill(launcher)
         raise AssertionError(f"{what}; the job's stderr ends:\n{stderr()[-6000:]}") from None
 
     try:

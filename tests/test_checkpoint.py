@@ -35,7 +35,7 @@ from jdp.checkpoint import (
     load_params,
 )
 from jdp.checkpoint import checkpointer as checkpointer_module
-from runs import free_port, xla_flags
+from runs import free_port, stacks_then_kill, xla_flags
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -725,8 +725,7 @@ def test_two_processes_stop_at_one_step_and_save_what_one_process_restores(
     try:
         outputs = [worker.communicate(timeout=120)[0] for worker in workers]
     except subprocess.TimeoutExpired:
-        for worker in workers:
-            worker.kill()
+        stacks_then_kill(*workers)
         printed = [f"process {i}:\n{worker.communicate()[0][-3000:]}"
                    for i, worker in enumerate(workers)]
         pytest.fail("the two processes did not stop within 120 s; they printed\n"

@@ -20,7 +20,7 @@ import jax
 import pytest
 
 from jdp.runtime import distributed, watchdog
-from runs import free_port, xla_flags
+from runs import free_port, stacks_then_kill, xla_flags
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -99,7 +99,8 @@ def wait_all(children: list[Child], timeout_s: float) -> list[int]:
         try:
             codes.append(child.popen.wait(timeout=max(deadline - time.monotonic(), 0.1)))
         except subprocess.TimeoutExpired:
-            pytest.fail(f"process still running after {timeout_s} s:\n{child.stderr[-3000:]}")
+            stacks_then_kill(child.popen)
+            pytest.fail(f"process still running after {timeout_s} s:\n{child.stderr[-6000:]}")
     return codes
 
 

@@ -1,13 +1,15 @@
-"""tests/site/cache_reuse.py, the tests' own changes to jax's compilation cache, checked
-where they once failed: a race between the test jobs that share one cache."""
+"""tests/site/: the tests' own changes to jax's compilation cache (cache_reuse.py), checked
+where they once failed (a race between the test jobs that share one cache), and the
+stacks a process the tests gave up on writes before it is killed."""
 
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
-from runs import REPO, main_env, two_processes_command
+from runs import REPO, main_env, stacks_then_kill, two_processes_command
 
 pytestmark = pytest.mark.slow
 
@@ -52,3 +54,29 @@ def test_a_program_process_0_reads_from_the_cache_reaches_a_process_that_missed_
     second = job(MISS_ON_P1="1")  # process 0 hits, process 1 misses and waits for it
     assert second.returncode == 0, second.stderr[-3000:]
     assert second.stdout.count("total 84.0") == 2, second.stdout
+
+
+def test_a_hung_process_tree_writes_where_each_process_waited_before_it_is_killed(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(textwrap.dedent("""
+        import subprocess, sys, time
+
+        def waiting_in_a_collective():
+            print("ready", flush=True)
+            time.sleep(600)
+
+        if sys.argv[1:] == ["launcher"]:  # its trainer, a child process, hangs too
+            subprocess.Popen([sys.executable, __file__])
+        waiting_in_a_collective()
+    """))
+    launcher = subprocess.Popen([sys.executable, str(script), "launcher"], env=main_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ready = [launcher.stdout.readline() for _ in range(2)]
+    assert ready == ["ready\n"] * 2
+    started = time.monotonic()
+    stacks_then_kill(launcher, grace_s=0.5)
+    _, stderr = launcher.communicate(timeout=30)
+    assert launcher.returncode == -9 and time.monotonic() - started < 20
+    # Both processes, the launcher and its child, wrote their main thread's stack, one
+    # after the other (they share one stderr).
+    assert stderr.count("line 6 in waiting_in_a_collective\n") == 2, stderr
