@@ -183,26 +183,51 @@ def test_error_feedback_sends_over_steps_what_int8_rounds_away(feedback):
         assert error > 0.9 * true[small].max(), error  # the small values are all lost
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", [
-    TWO_HOSTS,
+INT8_LAYOUTS = {
+    "two_level": TWO_HOSTS,
     # FSDP inside hosts: its leaves held whole by every device of a host must stay
     # identical replicas, or the checkpoint (one replica) would resume another run.
-    ("--config.parallel.hosts=2", "--config.parallel.shard_params=host"),
-], ids=["two_level", "fsdp_inside_hosts"])
-def test_an_int8_run_resumes_bitwise_with_its_residuals(tmp_path, layout):
+    "fsdp_inside_hosts": ("--config.parallel.hosts=2", "--config.parallel.shard_params=host"),
+}
+
+
+def _int8_settings(layout: str) -> tuple[str, ...]:
+    return (*STEPS, *INT8_LAYOUTS[layout], "--config.parallel.cross_host_reduce=int8",
+            "--config.checkpoint.every_steps=6")
+
+
+@pytest.fixture(scope="module")
+def int8_whole_run(tmp_path_factory):
+    """layout -> (workdir, result) of a whole 12-step int8 run saving at steps 6 and 12,
+    trained once for the module."""
+    done = {}
+
+    def whole(layout: str):
+        if layout not in done:
+            workdir = tmp_path_factory.mktemp(f"int8_{layout}")
+            done[layout] = workdir, train(VIT, workdir, *_int8_settings(layout))
+        return done[layout]
+
+    return whole
+
+
+def _resumable_at_6(whole_workdir, workdir) -> None:
+    """`workdir` as the whole run's was when killed after its step-6 checkpoint."""
+    shutil.copytree(whole_workdir / "checkpoints" / "6", workdir / "checkpoints" / "6")
+    shutil.copy(whole_workdir / "config.json", workdir / "config.json")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(INT8_LAYOUTS))
+def test_an_int8_run_resumes_bitwise_with_its_residuals(int8_whole_run, tmp_path, layout):
     """As if killed after its step-6 checkpoint: a run given only that checkpoint
     resumes, error-feedback residuals included, and ends bitwise where the whole run
     ended."""
-    settings = (*STEPS, *layout, "--config.parallel.cross_host_reduce=int8",
-                "--config.checkpoint.every_steps=6")
-    whole = train(VIT, tmp_path / "whole", *settings)
-    saved = checkpoint_arrays(tmp_path / "whole", 6)
+    whole_workdir, whole = int8_whole_run(layout)
+    saved = checkpoint_arrays(whole_workdir, 6)
     assert np.abs(saved["residuals"]["shard"]).max() > 0  # the residuals were saved
-    shutil.copytree(tmp_path / "whole" / "checkpoints" / "6",
-                    tmp_path / "cut" / "checkpoints" / "6")
-    shutil.copy(tmp_path / "whole" / "config.json", tmp_path / "cut" / "config.json")
-    resumed = train(VIT, tmp_path / "cut", *settings)
+    _resumable_at_6(whole_workdir, tmp_path)
+    resumed = train(VIT, tmp_path, *_int8_settings(layout))
     assert losses(resumed[1]) == {step: loss for step, loss in losses(whole[1]).items()
                                   if step > 6}
     for a, b in zip(jax.tree.leaves(resumed[0].state), jax.tree.leaves(whole[0].state),
@@ -211,12 +236,12 @@ def test_an_int8_run_resumes_bitwise_with_its_residuals(tmp_path, layout):
 
 
 @pytest.mark.slow
-def test_a_resume_on_another_topology_starts_the_residuals_at_zero(tmp_path, caplog):
-    settings = (*STEPS, *TWO_HOSTS, "--config.parallel.cross_host_reduce=int8",
-                "--config.checkpoint.every_steps=6")
-    train(VIT, tmp_path / "eight", *settings, "--config.total_steps=6")
+def test_a_resume_on_another_topology_starts_the_residuals_at_zero(int8_whole_run, tmp_path,
+                                                                    caplog):
+    whole_workdir, _ = int8_whole_run("two_level")
+    _resumable_at_6(whole_workdir, tmp_path)
     # The same run on 4 hosts of 2 devices: the residuals of 2 hosts' sums mean nothing.
-    resumed = train(VIT, tmp_path / "eight", *settings, "--config.parallel.hosts=4")
+    resumed = train(VIT, tmp_path, *_int8_settings("two_level"), "--config.parallel.hosts=4")
     assert int(resumed[0].state.step) == 12
     assert "its residuals" in caplog.text and "starting it afresh" in caplog.text
 

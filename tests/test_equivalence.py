@@ -19,19 +19,33 @@ from runs import assert_same_trajectory, losses, train
 
 STEPS = ("--config.total_steps=12", "--config.warmup_steps=2", "--config.log_every_steps=3",
          "--config.eval_every_steps=0", "--config.batch_size=64")
+# The three reference runs of each experiment: name -> (overrides, devices: 1 or all 8).
+REFERENCES = {"pjit8": (["--config.parallel.backend=pjit"], None),
+              "pjit1": (["--config.parallel.backend=pjit"], 1),
+              "pmap8": (["--config.parallel.backend=pmap"], None)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """(experiment, name) -> the REFERENCES run, trained once for the module."""
+    done = {}
+
+    def run(experiment: str, name: str):
+        if (experiment, name) not in done:
+            overrides, devices = REFERENCES[name]
+            done[experiment, name] = train(experiment, tmp_path_factory.mktemp(name), *STEPS,
+                                           *overrides, devices=devices and jax.devices()[:devices])
+        return done[experiment, name]
+
+    return run
+
+
 @pytest.fixture(scope="module", params=["experiments/vit.py", "experiments/resnet.py"],
                 ids=["vit", "resnet"])
-def runs(request, tmp_path_factory):
+def runs(request, reference):
     experiment = request.param
-    out = {"experiment": experiment}
-    for name, overrides, devices in [
-        ("pjit8", ["--config.parallel.backend=pjit"], None),
-        ("pjit1", ["--config.parallel.backend=pjit"], jax.devices()[:1]),
-        ("pmap8", ["--config.parallel.backend=pmap"], None),
-    ]:
-        out[name] = train(experiment, tmp_path_factory.mktemp(name), *STEPS, *overrides,
-                          devices=devices)
-    return out
+    return {"experiment": experiment,
+            **{name: reference(experiment, name) for name in REFERENCES}}
 
 
 def test_pjit_on_8_devices_matches_1_device(runs):
@@ -58,12 +72,11 @@ def test_the_loss_actually_moved(runs):
 
 
 @pytest.mark.parametrize("backend", ["pjit", "pmap"])
-def test_gradient_accumulation_matches_one_big_batch(backend, tmp_path):
+def test_gradient_accumulation_matches_one_big_batch(backend, reference, tmp_path):
     vit = "experiments/vit.py"
-    one = train(vit, tmp_path / "k1", *STEPS, f"--config.parallel.backend={backend}")
-    four = train(vit, tmp_path / "k4", *STEPS, f"--config.parallel.backend={backend}",
+    four = train(vit, tmp_path, *STEPS, f"--config.parallel.backend={backend}",
                  "--config.grad_accum_steps=4")
-    assert_same_trajectory(four, one)
+    assert_same_trajectory(four, reference(vit, f"{backend}8"))
 
 
 def test_pmap_matches_pjit_with_dropout(tmp_path):
