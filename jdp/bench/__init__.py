@@ -17,5 +17,19 @@ Each subcommand lives in its own module of this package, which defines
 `add_arguments(parser, name)` and `run(args)`; it prints one line per measurement
 and its summary figure last. On a CPU machine, simulate devices with
 XLA_FLAGS=--xla_force_host_platform_device_count=8 (the overhead benchmarks
-start their own processes with the device counts they measure).
+start their own processes with the device counts they measure, and the rest of
+XLA_FLAGS as given).
 """
+
+import os
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def cpu_child_env(devices: int) -> dict[str, str]:
+    """The environment of a measuring process on `devices` simulated CPU devices: this
+    process's, its XLA_FLAGS included, with only the device count replaced."""
+    kept = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
+            if flag.split("=", 1)[0] != _DEVICE_COUNT_FLAG]
+    return {**os.environ, "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": " ".join([*kept, f"{_DEVICE_COUNT_FLAG}={devices}"])}

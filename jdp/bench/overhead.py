@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from jdp.bench import cpu_child_env
+
 _CHILD_FLAG = "--_child"
 _DEFAULT_CONFIG = "experiments/vit.py"
 
@@ -95,9 +97,7 @@ def _measure_in_child(args, backend: str, devices: int, cache_dir: str) -> dict:
             f"--cache_dir={cache_dir}", f"--config={os.path.abspath(args.config)}",
             f"--model={args.model}", f"--steps={args.steps}", f"--log_every={args.log_every}",
             f"--repeats={args.repeats}"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=cpu_child_env(devices))
     if proc.returncode != 0:
         raise RuntimeError(f"the measuring process ({backend}, {devices} devices) exited "
                            f"{proc.returncode}: {proc.stderr.strip()[-3000:]}")

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 
+from jdp.bench import cpu_child_env
 from jdp.observe.writers import read_jsonl
 
 
@@ -34,8 +35,7 @@ def add_arguments(parser, name: str) -> None:
 def run(args) -> None:
     overrides = _overrides(args.config, args.steps)
     minimal_args = _minimal_arguments(args.config, overrides)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices}"}
+    env = cpu_child_env(args.devices)
     walls = {"jdp": [], "minimal": []}
     for repeat in range(1, args.repeats + 1):  # alternating, so drift hits both alike
         with tempfile.TemporaryDirectory(prefix="jdp-bench-e2e-") as scratch:
