@@ -63,22 +63,16 @@ def compiled_step(path: str, *overrides: str, devices=None, global_batch_size=12
                                            global_batch_size))
 
 
-# The compiled programs these tests read are never run: XLA:CPU generates their machine
-# code at optimisation level 0, which leaves the optimised HLO and the memory analysis
-# as they are at the tests' level 1 (compared for each program of test_parallel and
-# test_communication) and takes about a quarter less time.
-READ_ONLY_LEVEL = {"xla_backend_optimization_level": 0}
-
-
 def compiled_from_shapes(backend, sample_inputs: tuple, example: dict, global_batch_size: int):
     """(abstract canonical state, compiled train step) of `backend` for batches of
-    examples shaped like `example`, compiled as a run compiles it (the backend's XLA
-    options) but for reading only (READ_ONLY_LEVEL), with no initial state computed."""
-    from jdp.dryrun.lowering import lower_from_shapes
+    examples shaped like `example`, compiled with the backend's XLA options for reading
+    (`compile_to_read`: the tests read these programs, never run them), with no initial
+    state computed."""
+    from jdp.dryrun.lowering import compile_to_read, lower_from_shapes
 
     lowered, state = lower_from_shapes(backend, sample_inputs, example, global_batch_size)
-    return state, lowered.compile({**(backend.options.compiler_options or {}),
-                                   **READ_ONLY_LEVEL})
+    return state, compile_to_read(lowered, backend.options.compiler_options,
+                                  backend.mesh.devices.flat[0].platform)
 
 
 def lowered_step(path: str, *overrides: str, devices=None, global_batch_size=128):

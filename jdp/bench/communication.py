@@ -29,7 +29,7 @@ import optax
 
 from jdp import DATA_AXIS
 from jdp.dryrun import hlo
-from jdp.dryrun.lowering import lower_from_shapes
+from jdp.dryrun.lowering import compile_to_read, lower_from_shapes
 from jdp.experiment import adapters
 from jdp.experiment.task import classification
 from jdp.models import resnet, vit
@@ -92,7 +92,8 @@ def step_traffic(model, args, reduction: str) -> tuple[list[hlo.Traffic], int, i
                "label": np.zeros((), np.int32)}
     lowered, state = lower_from_shapes(backend, (example["image"][None],), example, mesh.size)
     grad_bytes = param_count(state.params) * 4
-    program = (lowered.compile().as_text() if reduction in COMPILED
+    program = (compile_to_read(lowered, platform=mesh.devices.flat[0].platform).as_text()
+               if reduction in COMPILED
                else lowered.as_text(dialect="hlo"))
     host_of = mesh_lib.host_of(mesh)
     state_bytes = mesh_lib.device_bytes((state.params, state.opt_state))
