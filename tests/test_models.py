@@ -11,6 +11,7 @@ import optax
 import pytest
 
 from jdp import DATA_AXIS
+from jdp.dryrun.lowering import compile_to_read
 from jdp.models import REMAT_POLICIES, ResNet, ViT, remat_policy, resnet, vit
 from jdp.parallel.mesh import make_mesh
 
@@ -228,7 +229,7 @@ def test_remat_lowers_compiled_temp_memory_of_a_vit_train_step():
         # recomputation into the forward pass, which undoes remat; GPU and TPU
         # schedule for memory, so compare under CPU's memory-optimised scheduler.
         memory_optimized = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
-        compiled = jax.jit(grad_fn).lower(params).compile(compiler_options=memory_optimized)
+        compiled = compile_to_read(jax.jit(grad_fn).lower(params), memory_optimized)
         return compiled.memory_analysis().temp_size_in_bytes
 
     # Measured: 6.97 MB without remat, 4.82 MB with 'full' (6.04 MB with 'dots_saveable').
