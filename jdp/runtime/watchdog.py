@@ -73,22 +73,29 @@ def exit_now(message: str, exit_code: int = EXIT_CODE) -> NoReturn:
 
 def thread_stacks() -> str:
     """Where each of this process's threads is, the main thread first: its name and its
-    stack (most recent call last). The calling thread is left out."""
+    stack (most recent call last), each frame as file, line and function. The calling
+    thread is left out. Source lines are not read: a stuck file system (the one the
+    packages live on) must not stop the watchdog from ending the process."""
     names = {thread.ident: thread.name for thread in threading.enumerate()}
     frames = [(names.get(ident, f"0x{ident:x}"), frame)
               for ident, frame in sys._current_frames().items()
               if ident != threading.get_ident()]
     frames.sort(key=lambda named: (named[0] != "MainThread", named[0]))
-    return "\n".join(f"Thread {name} (most recent call last):\n"
-                     + "".join(traceback.format_stack(frame)).rstrip("\n")
-                     for name, frame in frames)
+    return "\n".join(
+        f"Thread {name} (most recent call last):\n" + "\n".join(reversed([
+            f'  File "{f.f_code.co_filename}", line {line}, in {f.f_code.co_name}'
+            for f, line in traceback.walk_stack(frame)]))
+        for name, frame in frames)
 
 
 def give_up(report: str) -> NoReturn:
     """The watchdog's end of a process: its report, then where this process's threads
     were (what a stuck process waits in), then `exit_now`."""
-    exit_now(f"{report}\nWhere this process's threads were when it gave up:\n"
-             f"{thread_stacks()}")
+    try:
+        stacks = thread_stacks()
+    except Exception as e:  # the report and the exit matter more
+        stacks = f"(not available: {type(e).__name__}: {e})"
+    exit_now(f"{report}\nWhere this process's threads were when it gave up:\n{stacks}")
 
 
 class KeyValueStore(Protocol):
