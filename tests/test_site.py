@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from runs import REPO, main_env, stacks_then_kill, two_processes_command
+from runs import REPO, main_env, stacks_then_kill, two_processes_command, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -59,22 +59,23 @@ def test_a_program_process_0_reads_from_the_cache_reaches_a_process_that_missed_
 def test_a_hung_process_tree_writes_where_each_process_waited_before_it_is_killed(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text(textwrap.dedent("""
-        import subprocess, sys, time
+        import os, subprocess, sys, time
 
         def waiting_in_a_collective():
-            print("ready", flush=True)
+            open(os.path.join(sys.argv[1], f"ready.{os.getpid()}"), "w").close()
             time.sleep(600)
 
-        if sys.argv[1:] == ["launcher"]:  # its trainer, a child process, hangs too
-            subprocess.Popen([sys.executable, __file__])
+        if sys.argv[2:] == ["launcher"]:  # its trainer, a child process, hangs too
+            subprocess.Popen([sys.executable, __file__, sys.argv[1]])
         waiting_in_a_collective()
     """))
-    launcher = subprocess.Popen([sys.executable, str(script), "launcher"], env=main_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    ready = [launcher.stdout.readline() for _ in range(2)]
-    assert ready == ["ready\n"] * 2
-    started = time.monotonic()
-    stacks_then_kill(launcher, grace_s=0.5)
+    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path), "launcher"],
+                                env=main_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: len(list(tmp_path.glob("ready.*"))) == 2, 60, "both processes")
+    finally:
+        started = time.monotonic()
+        stacks_then_kill(launcher, grace_s=0.5)
     _, stderr = launcher.communicate(timeout=30)
     assert launcher.returncode == -9 and time.monotonic() - started < 20
     # Both processes, the launcher and its child, wrote their main thread's stack, one
