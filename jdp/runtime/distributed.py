@@ -276,16 +276,18 @@ def ending_promptly_on_failure() -> Iterator[None]:
     try:
         yield
     except SystemExit as e:
-        if e.code in (None, exit_codes.FINISHED, exit_codes.PREEMPTED) or job_state() is None:
+        state = job_state()
+        if e.code in (None, exit_codes.FINISHED, exit_codes.PREEMPTED) or state is None:
             raise
         if not isinstance(e.code, int):  # sys.exit("message"): Python prints it, status 1
             print(e.code, file=sys.stderr)
-        _exit_after_failure(e.code if isinstance(e.code, int) else exit_codes.FAILED)
+        _exit_after_failure(state, e.code if isinstance(e.code, int) else exit_codes.FAILED)
     except Exception:
-        if job_state() is None:
+        state = job_state()
+        if state is None:
             raise
         traceback.print_exc()
-        _exit_after_failure(exit_codes.FAILED)
+        _exit_after_failure(state, exit_codes.FAILED)
 
 
 def job_state():
@@ -295,11 +297,10 @@ def job_state():
     return None if state.client is None or state.num_processes == 1 else state
 
 
-def _exit_after_failure(exit_code: int) -> NoReturn:
-    """Waits (bounded) for every process to fail, then exits without jax's exit barrier:
-    process 0 serves the coordination service, which the others may still need to
-    report the same error."""
-    state = jax_compat.distributed_state()
+def _exit_after_failure(state, exit_code: int) -> NoReturn:
+    """Waits (bounded) for every process of the job (`job_state()`) to fail, then exits
+    without jax's exit barrier: process 0 serves the coordination service, which the
+    others may still need to report the same error."""
     try:
         state.client.wait_at_barrier("jdp/failed", FAILED_EXIT_WAIT_S * 1000)
         message = ""
