@@ -71,8 +71,7 @@ def compiled_from_shapes(backend, sample_inputs: tuple, example: dict, global_ba
     from jdp.dryrun.lowering import compile_to_read, lower_from_shapes
 
     lowered, state = lower_from_shapes(backend, sample_inputs, example, global_batch_size)
-    return state, compile_to_read(lowered, backend.options.compiler_options,
-                                  backend.mesh.devices.flat[0].platform)
+    return state, compile_to_read(lowered, backend.options.compiler_options)
 
 
 def lowered_step(path: str, *overrides: str, devices=None, global_batch_size=128):

@@ -92,7 +92,7 @@ def step_traffic(model, args, reduction: str) -> tuple[list[hlo.Traffic], int, i
                "label": np.zeros((), np.int32)}
     lowered, state = lower_from_shapes(backend, (example["image"][None],), example, mesh.size)
     grad_bytes = param_count(state.params) * 4
-    program = (compile_to_read(lowered, platform=mesh.devices.flat[0].platform).as_text()
+    program = (compile_to_read(lowered).as_text()
                if reduction in COMPILED
                else lowered.as_text(dialect="hlo"))
     host_of = mesh_lib.host_of(mesh)

@@ -63,7 +63,7 @@ def step_memory(args, layout: str) -> tuple[int, int, float]:
                "label": np.zeros((), np.int32)}
     lowered, _ = lower_from_shapes(backend, (example["image"][None],), example,
                                    args.per_device_batch_size * mesh.size)
-    compiled = compile_to_read(lowered, options.compiler_options, jax.devices()[0].platform)
+    compiled = compile_to_read(lowered, options.compiler_options)
     memory = compiled.memory_analysis()
     sent = sum(op.ring_bytes_sent(mesh.size) for op in hlo.collectives(compiled.as_text()))
     return memory.argument_size_in_bytes, memory.temp_size_in_bytes, sent

@@ -29,12 +29,12 @@ def lower_from_shapes(backend: Backend, sample_inputs: tuple, example: dict,
 _READ_ONLY_CPU_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
-def compile_to_read(lowered: jax.stages.Lowered, options: dict | None = None,
-                    platform: str = "cpu") -> jax.stages.Compiled:
-    """`lowered` compiled with XLA `options` for reading (`as_text()`, memory and cost
-    analysis), never to run. Not for a program a run will fetch from the compilation
-    cache (the dry run's): that needs the run's own options."""
+def compile_to_read(lowered: jax.stages.Lowered,
+                    options: dict | None = None) -> jax.stages.Compiled:
+    """`lowered` (for jax's default backend) compiled with XLA `options` for reading
+    (`as_text()`, memory and cost analysis), never to run. Not for a program a run will
+    fetch from the compilation cache (the dry run's): that needs the run's own options."""
     options = dict(options or {})
-    if platform == "cpu":
+    if jax.default_backend() == "cpu":
         options.update(_READ_ONLY_CPU_OPTIONS)
     return lowered.compile(options)
