@@ -47,8 +47,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import BinaryIO
 
 from jdp.runtime import exit_codes
+from jdp.runtime.cpu_devices import cpu_device_env
 
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 POLL_INTERVAL_S = 0.05
 # How the launcher names an exit status in its messages.
 STATUS_MEANINGS = {
@@ -125,12 +125,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def with_device_count(xla_flags: str, devices_per_process: int) -> str:
-    """XLA_FLAGS with the host device count set, replacing any earlier count."""
-    kept = [f for f in xla_flags.split() if f.split("=", 1)[0] != DEVICE_COUNT_FLAG]
-    return " ".join([*kept, f"{DEVICE_COUNT_FLAG}={devices_per_process}"])
-
-
 def gpu_slice(process_id: int, gpus_per_process: int, visible: str | None) -> str:
     """CUDA_VISIBLE_DEVICES for one process: its block of the visible GPUs."""
     start, stop = process_id * gpus_per_process, (process_id + 1) * gpus_per_process
@@ -164,8 +158,7 @@ def process_env(
         PYTHONUNBUFFERED="1",
     )
     if devices_per_process is not None:
-        env["JAX_PLATFORMS"] = "cpu"
-        env["XLA_FLAGS"] = with_device_count(base.get("XLA_FLAGS", ""), devices_per_process)
+        env.update(cpu_device_env(base, devices_per_process))
     if gpus_per_process is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu_slice(
             process_id, gpus_per_process, base.get("CUDA_VISIBLE_DEVICES")

@@ -144,7 +144,9 @@ def xla_flags(devices: int) -> str:
     """This session's XLA_FLAGS (tests/conftest.py's, or the caller's own) with `devices`
     CPU devices, as launch/local.py sets them: every process of the tests compiles with
     the same flags."""
-    return load_launcher().with_device_count(os.environ.get("XLA_FLAGS", ""), devices)
+    from jdp.runtime.cpu_devices import with_device_count
+
+    return with_device_count(os.environ.get("XLA_FLAGS", ""), devices)
 
 
 def main_env(devices: int = 8, **extra: str) -> dict:

@@ -362,12 +362,15 @@ def test_min_processes_must_be_between_1_and_num_processes(value):
 
 
 def test_device_count_flag_is_appended_or_replaced():
-    launcher = load_launcher()
-    assert launcher.with_device_count("", 4) == "--xla_force_host_platform_device_count=4"
+    from jdp.runtime.cpu_devices import cpu_device_env, with_device_count
+
+    assert with_device_count("", 4) == "--xla_force_host_platform_device_count=4"
     assert (
-        launcher.with_device_count("--a=1 --xla_force_host_platform_device_count=8 --b", 2)
+        with_device_count("--a=1 --xla_force_host_platform_device_count=8 --b", 2)
         == "--a=1 --b --xla_force_host_platform_device_count=2"
     )
+    assert cpu_device_env({"XLA_FLAGS": "--a=1", "OTHER": "x"}, 2) == {
+        "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--a=1 --xla_force_host_platform_device_count=2"}
 
 
 def test_gpu_slices_index_into_the_visible_gpus():

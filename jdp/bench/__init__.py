@@ -23,13 +23,10 @@ XLA_FLAGS as given).
 
 import os
 
-_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+from jdp.runtime.cpu_devices import cpu_device_env
 
 
 def cpu_child_env(devices: int) -> dict[str, str]:
     """The environment of a measuring process on `devices` simulated CPU devices: this
     process's, its XLA_FLAGS included, with only the device count replaced."""
-    kept = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
-            if flag.split("=", 1)[0] != _DEVICE_COUNT_FLAG]
-    return {**os.environ, "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": " ".join([*kept, f"{_DEVICE_COUNT_FLAG}={devices}"])}
+    return {**os.environ, **cpu_device_env(os.environ, devices)}
