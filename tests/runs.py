@@ -1,5 +1,6 @@
 """Helpers for tests that run the real trainer in-process with tiny settings."""
 
+import contextlib
 import functools
 import json
 import os
@@ -18,6 +19,26 @@ def train(path: str, workdir, *overrides: str, devices=None):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     return result, records
+
+
+@contextlib.contextmanager
+def steps_compiled_optimised(level: int = 1):
+    """Train steps built inside compile at XLA:CPU's backend optimisation `level`; the
+    tests compile everything else at level 0 (tests/conftest.py). For the few tests
+    whose cost is their steps' compute rather than their compiles: level 0's machine
+    code is slower to run. The optimised HLO is the same at every level."""
+    from jdp.parallel import factory
+
+    original = factory.compiler_options
+
+    def compiler_options(*args, **kwargs):
+        return {**(original(*args, **kwargs) or {}), "xla_backend_optimization_level": level}
+
+    factory.compiler_options = compiler_options
+    try:
+        yield
+    finally:
+        factory.compiler_options = original
 
 
 def losses(records) -> dict[int, float]:

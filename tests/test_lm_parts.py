@@ -33,8 +33,7 @@ def _tokens(length: int = LENGTH) -> jnp.ndarray:
 
 
 # Compiling dominates these tests: each model is compiled once (running eagerly compiles
-# every op instead). Unoptimised code generation compiles faster and changes nothing here.
-_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+# every op instead).
 
 
 @functools.cache
@@ -42,13 +41,14 @@ def _variables(positions: str) -> dict:
     """Initial variables of the small model; they depend on neither dtype, remat nor dropout."""
     model = _model(positions=positions)
     # The 'rbg' generator compiles much faster on XLA:CPU than threefry.
-    return _jit(lambda key: model.init(key, _tokens(), train=False))(jax.random.key(1, impl="rbg"))
+    init = jax.jit(lambda key: model.init(key, _tokens(), train=False))
+    return init(jax.random.key(1, impl="rbg"))
 
 
 @functools.cache
 def _forward(model: Transformer):
     """`model`'s compiled forward pass: (variables, tokens, dropout key) -> logits."""
-    return _jit(lambda variables, tokens, train, dropout_key: model.apply(
+    return jax.jit(lambda variables, tokens, train, dropout_key: model.apply(
         variables, tokens, train=train, rngs={"dropout": dropout_key}), static_argnums=2)
 
 
@@ -106,7 +106,7 @@ def test_remat_full_keeps_logits_and_gradients():
         model = _model(remat=remat)
         logits = lambda p: model.apply({"params": p}, tokens, train=True)
         loss = lambda p: (logits(p) * weights).sum()
-        return _jit(lambda p: (logits(p), jax.grad(loss)(p)))(params)
+        return jax.jit(lambda p: (logits(p), jax.grad(loss)(p)))(params)
 
     expected, actual = logits_and_grads("none"), logits_and_grads("full")
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),

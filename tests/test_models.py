@@ -19,9 +19,6 @@ NUM_CLASSES = 10
 DIGITS_IMAGES = jnp.ones((4, 8, 8, 1))
 DIGITS_LABELS = jnp.arange(4) % NUM_CLASSES
 
-# Compiling dominates these tests. Unoptimised code generation halves it and changes
-# none of what they check (the memory test compiles with the default optimisation).
-_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 
 
 def _nano_vit(**kwargs) -> ViT:
@@ -43,7 +40,7 @@ def _variables(model: nn.Module, images: jax.Array) -> dict:
 def _init_once(model: nn.Module, image_shape: tuple[int, ...]) -> dict:
     # Initialise once per model, with the 'rbg' generator, which XLA:CPU compiles
     # much faster than threefry.
-    init = _jit(lambda key: model.init(key, jnp.ones((1, *image_shape)), train=False))
+    init = jax.jit(lambda key: model.init(key, jnp.ones((1, *image_shape)), train=False))
     return init(jax.random.key(0, impl="rbg"))
 
 
@@ -78,7 +75,7 @@ def _loss_stats_and_grads(model, variables, images, labels):
     params = variables["params"]
     other_variables = {k: v for k, v in variables.items() if k != "params"}
     grad_fn = jax.value_and_grad(functools.partial(_loss_fn, model), has_aux=True)
-    return _jit(grad_fn)(params, other_variables, images, labels, jax.random.key(2))
+    return jax.jit(grad_fn)(params, other_variables, images, labels, jax.random.key(2))
 
 
 def _assert_trees_close(actual, expected) -> None:
@@ -113,7 +110,7 @@ def test_vit_bf16_logits_match_float32_logits_to_bf16_precision():
 
     def logits(dtype):
         model = _nano_vit(dtype=dtype)
-        return _jit(lambda v, x: model.apply(v, x, train=False))(variables, images)
+        return jax.jit(lambda v, x: model.apply(v, x, train=False))(variables, images)
 
     # bf16 keeps 8 bits of mantissa: a few parts in a hundred after a few layers.
     np.testing.assert_allclose(logits(jnp.bfloat16), logits(jnp.float32), rtol=0.05, atol=0.05)
@@ -276,6 +273,6 @@ def test_resnet_eval_uses_running_statistics_so_padding_rows_change_nothing():
     variables = _variables(model, images)
     # Evaluation pads the last batch: the padding must not change the real rows' logits.
     padded = jnp.concatenate([images, 100.0 * jnp.ones_like(images)])
-    apply = _jit(functools.partial(model.apply, train=False))
+    apply = jax.jit(functools.partial(model.apply, train=False))
     logits, padded_logits = apply(variables, images), apply(variables, padded)
     np.testing.assert_allclose(padded_logits[:4], logits, rtol=1e-6, atol=1e-6)

@@ -26,9 +26,8 @@ POSITIONS = jnp.array([list(range(DOC1)) + list(range(LENGTH - DOC1))] * 2, jnp.
 ONE_DOCUMENT = jnp.ones_like(SEGMENT_IDS)
 ARANGE = jnp.broadcast_to(jnp.arange(LENGTH), (2, LENGTH))
 
-# Compiling dominates these tests (see test_lm_parts): each program is compiled once, with
-# unoptimised code generation, and all forward passes are [2, LENGTH] so they share it.
-_jit = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+# Compiling dominates these tests (see test_lm_parts): each program is compiled once, and
+# all forward passes are [2, LENGTH] so they share it.
 
 
 def _model(**kwargs: Any) -> Transformer:
@@ -50,7 +49,7 @@ def _variables(positions: str) -> dict:
         params = _variables("rotary")["params"]
         return {"params": {**params, "position_embedding": jnp.asarray(table, jnp.float32)}}
     model = _model(positions=positions)
-    return _jit(lambda key: model.init(key, _tokens(), train=False))(
+    return jax.jit(lambda key: model.init(key, _tokens(), train=False))(
         jax.random.key(1, impl="rbg"))
 
 
@@ -59,9 +58,9 @@ def _forward(positions: str, packed: bool):
     """The compiled inference pass, with segment ids and positions if `packed`."""
     model = _model(positions=positions)
     if packed:
-        return _jit(lambda variables, tokens, segment_ids, token_positions: model.apply(
+        return jax.jit(lambda variables, tokens, segment_ids, token_positions: model.apply(
             variables, tokens, segment_ids, token_positions, train=False))
-    return _jit(lambda variables, tokens: model.apply(variables, tokens, train=False))
+    return jax.jit(lambda variables, tokens: model.apply(variables, tokens, train=False))
 
 
 def _logits(positions: str, tokens, segment_ids=None, token_positions=None) -> jax.Array:
@@ -175,7 +174,7 @@ def test_without_segment_ids_and_positions_the_model_is_the_one_before_them(posi
     reference_shapes = jax.eval_shape(lambda: reference.init(jax.random.key(0), tokens))
     shapes = lambda tree: jax.tree.map(lambda leaf: leaf.shape, tree)
     assert shapes(reference_shapes) == shapes(variables)  # checkpoints load either way
-    expected = _jit(reference.apply)(variables, tokens)
+    expected = jax.jit(reference.apply)(variables, tokens)
     np.testing.assert_allclose(_logits(positions, tokens), expected, rtol=1e-6, atol=1e-6)
     # One document at positions 0.. is the same computation.
     np.testing.assert_allclose(_logits(positions, tokens, ONE_DOCUMENT, ARANGE), expected,
@@ -205,7 +204,7 @@ def test_tied_embeddings_compute_the_logits_with_the_token_embedding():
     params_shapes = jax.eval_shape(
         lambda: model.init(jax.random.key(0), _tokens(), train=False))["params"]
     assert jax.tree.structure(params_shapes) == jax.tree.structure(params)  # no head
-    logits, state = _jit(lambda p: model.apply(
+    logits, state = jax.jit(lambda p: model.apply(
         {"params": p}, _tokens(), train=False, capture_intermediates=True,
         mutable=["intermediates"]))(params)
     final_hidden = state["intermediates"]["decoder_norm"]["__call__"][0]
@@ -250,7 +249,7 @@ def test_cached_decoding_gives_the_full_forward_logits_at_every_position(positio
                                         train=False, mutable=["cache"])
         return updated["cache"], logits
 
-    @_jit
+    @jax.jit
     def cached_logits(tokens):
         # A prompt of 5, a chunk of 2, then one token at a time.
         cache, prompt = append(decoding.init_cache(model, 2, LENGTH), tokens[:, :5])
@@ -311,7 +310,7 @@ def copy_params() -> dict:
         updates, opt_state = optimizer.update(jax.grad(loss)(params, window), opt_state)
         return (optax.apply_updates(params, updates), opt_state), None
 
-    @_jit
+    @jax.jit
     def train(params):
         keys = jax.random.split(jax.random.key(7), 100)
         return jax.lax.scan(train_step, (params, optimizer.init(params)), keys)[0][0]
