@@ -21,6 +21,13 @@ def train(path: str, workdir, *overrides: str, devices=None):
     return result, records
 
 
+# Compiles one program with the fusion emitters of users' runs, which tests/conftest.py
+# swaps for faster-compiling ones: for tests that compare two programs XLA fuses
+# differently (remat against none) to float32's last digits, where the older emitters'
+# rounding differs by up to 2.5e-5.
+USERS_FUSION = {"xla_cpu_use_fusion_emitters": True}
+
+
 @contextlib.contextmanager
 def steps_compiled_optimised(level: int = 1):
     """Train steps built inside compile at XLA:CPU's backend optimisation `level`; the

@@ -16,6 +16,7 @@ from jdp.models.transformer import (
     flops_per_token,
     transformer,
 )
+from runs import USERS_FUSION
 
 VOCAB_SIZE = 14
 MAX_LEN = 16
@@ -106,7 +107,9 @@ def test_remat_full_keeps_logits_and_gradients():
         model = _model(remat=remat)
         logits = lambda p: model.apply({"params": p}, tokens, train=True)
         loss = lambda p: (logits(p) * weights).sum()
-        return jax.jit(lambda p: (logits(p), jax.grad(loss)(p)))(params)
+        # Users' fusion emitters: the two programs are fused differently (runs.USERS_FUSION).
+        return jax.jit(lambda p: (logits(p), jax.grad(loss)(p)),
+                       compiler_options=USERS_FUSION)(params)
 
     expected, actual = logits_and_grads("none"), logits_and_grads("full")
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),

@@ -14,6 +14,7 @@ from jdp import DATA_AXIS
 from jdp.dryrun.lowering import compile_to_read
 from jdp.models import REMAT_POLICIES, ResNet, ViT, remat_policy, resnet, vit
 from jdp.parallel.mesh import make_mesh
+from runs import USERS_FUSION
 
 NUM_CLASSES = 10
 DIGITS_IMAGES = jnp.ones((4, 8, 8, 1))
@@ -71,11 +72,13 @@ def _loss_fn(model, params, other_variables, images, labels, dropout_key):
 
 
 def _loss_stats_and_grads(model, variables, images, labels):
-    """((loss, new batch_stats), gradients) of one training step, compiled."""
+    """((loss, new batch_stats), gradients) of one training step, compiled with users'
+    fusion emitters: the remat tests compare it with a differently fused program."""
     params = variables["params"]
     other_variables = {k: v for k, v in variables.items() if k != "params"}
     grad_fn = jax.value_and_grad(functools.partial(_loss_fn, model), has_aux=True)
-    return jax.jit(grad_fn)(params, other_variables, images, labels, jax.random.key(2))
+    return jax.jit(grad_fn, compiler_options=USERS_FUSION)(params, other_variables, images,
+                                                         labels, jax.random.key(2))
 
 
 def _assert_trees_close(actual, expected) -> None:
