@@ -21,7 +21,6 @@ DIGITS_IMAGES = jnp.ones((4, 8, 8, 1))
 DIGITS_LABELS = jnp.arange(4) % NUM_CLASSES
 
 
-
 def _nano_vit(**kwargs) -> ViT:
     return vit("nano", num_classes=NUM_CLASSES, patch_size=2, **kwargs)
 
