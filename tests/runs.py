@@ -21,10 +21,10 @@ def train(path: str, workdir, *overrides: str, devices=None):
     return result, records
 
 
-# Compiles one program with the fusion emitters of users' runs, which tests/conftest.py
-# swaps for faster-compiling ones: for tests that compare two programs XLA fuses
-# differently (remat against none) to float32's last digits, where the older emitters'
-# rounding differs by up to 2.5e-5.
+# Compiler options for one program: the fusion emitters of users' runs, which
+# tests/conftest.py swaps for faster-compiling ones. For tests that compare two programs
+# XLA fuses differently (remat against none) to float32's last digits, where the older
+# emitters' rounding differs by up to 2.5e-5.
 USERS_FUSION = {"xla_cpu_use_fusion_emitters": True}
 
 
@@ -34,6 +34,8 @@ def steps_compiled_optimised(level: int = 1):
     tests compile everything else at level 0 (tests/conftest.py). For the few tests
     whose cost is their steps' compute rather than their compiles: level 0's machine
     code is slower to run. The optimised HLO is the same at every level."""
+    import pytest
+
     from jdp.parallel import factory
 
     original = factory.compiler_options
@@ -41,11 +43,9 @@ def steps_compiled_optimised(level: int = 1):
     def compiler_options(*args, **kwargs):
         return {**(original(*args, **kwargs) or {}), "xla_backend_optimization_level": level}
 
-    factory.compiler_options = compiler_options
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(factory, "compiler_options", compiler_options)
         yield
-    finally:
-        factory.compiler_options = original
 
 
 def losses(records) -> dict[int, float]:
