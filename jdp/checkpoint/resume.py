@@ -46,15 +46,17 @@ def initial_state(backend, checkpointer: Checkpointer, rng, sample_inputs, init_
         raise DamagedCheckpointError(
             f"none of the checkpoints in {checkpointer.directory} (steps {steps}) can be read; "
             "see the warnings above. Fix: restore them from a backup, or start a new --workdir.")
-    state = backend.init_global(rng, sample_inputs)
+    params = None
     if init_from:
         # A run's workdir stands for its newest checkpoint.
         if storage.isdir(storage.join(init_from, CHECKPOINT_DIR)):
             init_from = storage.join(init_from, CHECKPOINT_DIR)
         logging.info("initialising params from %s", init_from)
-        state = state.replace(params=load_params(init_from, backend.abstract_state(
-            rng, sample_inputs).params))
-    return state
+        # Read against the abstract params, before the init is compiled and run: a
+        # checkpoint of another model fails at once, not after the model's init.
+        params = load_params(init_from, backend.abstract_state(rng, sample_inputs).params)
+    state = backend.init_global(rng, sample_inputs)
+    return state if params is None else state.replace(params=params)
 
 
 def check_resumable(workdir: str, config: dict) -> None:
