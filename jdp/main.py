@@ -19,17 +19,16 @@ from ml_collections import config_flags
 
 import jdp
 from jdp import config as config_lib
-from jdp.checkpoint import CheckpointError, CheckpointSaveError, check_best_metric
-from jdp.checkpoint.resume import check_resumable
 from jdp.config import tuned
 from jdp.errors import ConfigError
-from jdp.experiment import components as components_lib
 from jdp.experiment import loader
 from jdp.runtime import compile_cache, distributed, exit_codes, gpu_flags, storage
 from jdp.runtime.preemption import Preempted
-from jdp.train import loop
-from jdp.train.hooks import HookError
-from jdp.train.nonfinite import NonFiniteError
+
+# The trainer (Orbax, the loop, the parallel backends) is imported where it is first
+# used, not here: a process that stops at its flags (a bad --config override) ends
+# sooner, and so does every input worker process, which multiprocessing starts by
+# importing this module again.
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment file defining get_config(arg); `path.py:arg` passes arg.",
@@ -90,6 +89,11 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
         device_memory_gib: float | None = None, step_time_s: float | None = None):
     """Everything after flag parsing; tests call this directly. Returns a loop.TrainResult,
     or with `dry_run` the `preflight.Preflight` plan (nothing trained or written)."""
+    from jdp.checkpoint import check_best_metric
+    from jdp.checkpoint.resume import check_resumable
+    from jdp.experiment import components as components_lib
+    from jdp.train import loop
+
     applied = tuned.apply(config)  # --config.tune=FILE: a saved jdp.tune result
     if applied:
         logging.info("applied %s: %s", config.tune, applied)
@@ -136,6 +140,8 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
 
 
 def _call_build_hooks(experiment: loader.Experiment, config) -> list:
+    from jdp.train import loop
+
     try:
         return loop.user_hooks(experiment, config)
     except ConfigError:
@@ -205,6 +211,10 @@ def start_up(argv) -> str:
 
 def main(argv) -> None:
     config_path = start_up(argv)
+    from jdp.checkpoint import CheckpointError, CheckpointSaveError
+    from jdp.train.hooks import HookError
+    from jdp.train.nonfinite import NonFiniteError
+
     with distributed.ending_promptly_on_failure():
         try:
             result = run(_CONFIG.value, config_path, _WORKDIR.value, dry_run=_DRY_RUN.value,
