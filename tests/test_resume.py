@@ -160,7 +160,6 @@ def test_init_from_a_different_model_names_the_parameter_and_shapes(reference, t
         "in the model" in message
 
 
-
 def test_a_checkpoint_of_another_model_is_refused_before_the_init_is_compiled(
         reference, tmp_path, monkeypatch):
     """init_from's params are read against the abstract state: a mismatch fails before
@@ -177,6 +176,7 @@ def test_a_checkpoint_of_another_model_is_refused_before_the_init_is_compiled(
                          f"--config.checkpoint.init_from={reference}")
     with pytest.raises(CheckpointError, match=r"LayerNorm_0/bias is \(64,\) in the checkpoint"):
         jdp_main.run(config, VIT, str(tmp_path / "run"))
+
 
 def test_a_changed_total_steps_resumes_and_says_what_it_does_to_the_schedule(tmp_path,
                                                                               monkeypatch):
