@@ -7,7 +7,7 @@ from grain.experimental import index_shuffle as grain_index_shuffle
 from jdp.data import index_shuffle
 
 
-@pytest.mark.parametrize("size", [1, 2, 40, 1437, 65536, 65537, 100_003])
+@pytest.mark.parametrize("size", [1, 2, 40, 1437, 5000, 65536, 65537, 100_003, 2**20 + 7])
 @pytest.mark.parametrize("seed", [0, 12345, 2**32 - 1])
 def test_the_epoch_permutation_is_grains_index_shuffle(size, seed):
     # 65537: max_index 2^16 gets 16 bits in grain (its log2 in floating point), and the
