@@ -139,7 +139,7 @@ def _encrypt_bytes(values: np.ndarray, keys: list[int]) -> np.ndarray:
     def f(x: np.ndarray) -> np.ndarray:
         return (((x << 1) | (x >> 7)) & x) ^ ((x << 2) | (x >> 6))
 
-    eight, byte = np.uint64(8), np.uint64(0xFF)  # numpy is ~10x slower with Python ints here
+    eight, byte = np.uint64(8), np.uint64(0xFF)  # with Python ints: ~3x slower in all
     left = ((values >> eight) & byte).astype(np.uint8)
     right = (values & byte).astype(np.uint8)
     for k1, k2 in zip(keys[0::2], keys[1::2], strict=True):
