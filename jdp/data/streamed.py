@@ -19,6 +19,7 @@ side of the split interface both roads implement (`jdp.data.splits`).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import os
 import threading
@@ -89,9 +90,37 @@ def _iterate(batches: grain.MapDataset, num_threads: int, num_workers: int) -> I
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
     in_worker = batches.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=1))
-    return iter(in_worker.mp_prefetch(
+    return _WorkerBatches(iter(in_worker.mp_prefetch(
         grain.MultiprocessingOptions(num_workers=num_workers, per_worker_buffer_size=2),
-        worker_init_fn=_init_worker).map(_out_of_shared_memory))
+        worker_init_fn=_init_worker).map(_out_of_shared_memory)))
+
+
+class _WorkerBatches:
+    """grain's iterator over the workers' batches, whose `close()` also frees the shared
+    memory of the last batch each worker handed over.
+
+    grain's iterator keeps that batch (as a shared-memory array, unlinked when garbage
+    collected) in reference cycles of its own, which outlive `close()`: at exit Python's
+    resource tracker then warned of "leaked shared_memory objects", one per array, and
+    unlinked them itself. A collection after the close frees them (~0.1-0.2 s, once
+    per pipeline, beside the 2-3 s its workers take to start).
+    """
+
+    def __init__(self, batches: Iterator[Batch]):
+        self._batches = batches
+
+    def __iter__(self) -> _WorkerBatches:
+        return self
+
+    def __next__(self) -> Batch:
+        return next(self._batches)
+
+    def close(self) -> None:
+        if self._batches is None:
+            return
+        self._batches.close()
+        self._batches = None
+        gc.collect()
 
 
 def _out_of_shared_memory(batch: Batch) -> Batch:
