@@ -3,7 +3,8 @@
     python -m jdp.bench overhead [--model=tiny] [--steps=300] [--log_every=50]
 
 For each backend (pjit, pmap) and device count (1, 8), a fresh process (the device
-count is fixed before jax starts) alternates `--repeats` times between:
+count is fixed before jax starts) runs `--repeats` pairs of, each first in every
+other pair:
 
 - jdp: the experiment (default: the digits ViT) run through `jdp.main.run`, input
   pipeline, prefetch, step, window metrics, writers and watchdog included;
@@ -46,7 +47,8 @@ def add_arguments(parser, name: str) -> None:
     parser.add_argument("--log_every", type=int, default=50,
                         help="jdp's log window; the first window (and as many minimal steps) "
                         "is warm-up")
-    parser.add_argument("--repeats", type=int, default=3, help="jdp/minimal pairs per config")
+    parser.add_argument("--repeats", type=int, default=4,
+                        help="jdp/minimal pairs per config (even: each loop first as often)")
     parser.add_argument("--backends", default="pjit,pmap")
     parser.add_argument("--devices", default="1,8", help="simulated CPU device counts")
 
@@ -264,7 +266,7 @@ def _minimal_run(loop, batches: list[dict], warmup_steps: int, batch_size: int):
 
 
 def _child(argv: list[str]) -> None:
-    """Alternates jdp and the minimal loop `--repeats` times; prints examples/s as JSON."""
+    """`--repeats` pairs of jdp and the minimal loop; prints examples/s as JSON."""
     parser = argparse.ArgumentParser()
     parser.add_argument(_CHILD_FLAG, action="store_true")
     parser.add_argument("--backend", required=True, choices=("pjit", "pmap"))
@@ -281,13 +283,23 @@ def _child(argv: list[str]) -> None:
     tx = exp.build_optimizer(config, optim.learning_rate_fn(config))
     make_loop = _minimal_pjit if args.backend == "pjit" else _minimal_pmap
     loop = make_loop(built, tx, config.seed)
-    rates, input_wait = {"jdp": [], "minimal": []}, []
-    for _ in range(args.repeats):  # alternating, so drift hits both alike
-        rate, wait, jdp_loss = _jdp_run(config, args.config)
+    rates, input_wait, outcome = {"jdp": [], "minimal": []}, [], {}
+
+    def run_jdp():
+        rate, wait, outcome["jdp_loss"] = _jdp_run(config, args.config)
         rates["jdp"].append(rate)
         input_wait.append(wait)
-        rate, losses = _minimal_run(loop, batches, args.log_every, config.batch_size)
+
+    def run_minimal():
+        rate, outcome["losses"] = _minimal_run(loop, batches, args.log_every, config.batch_size)
         rates["minimal"].append(rate)
+
+    for pair in range(args.repeats):
+        # Alternating, and each loop first in every other pair (jdp, minimal, minimal,
+        # jdp, ...): a drift of the machine's speed within pairs cancels over them.
+        for measure in (run_jdp, run_minimal) if pair % 2 == 0 else (run_minimal, run_jdp):
+            measure()
+    jdp_loss, losses = outcome["jdp_loss"], outcome["losses"]
     print(json.dumps({**rates, "input_wait": statistics.median(input_wait), "jdp_loss": jdp_loss,
                       "minimal_loss": statistics.mean(losses[-args.log_every:]),
                       "workload": f"{os.path.basename(args.config)} model "
