@@ -14,8 +14,8 @@ loop does:
 - minimal: `jax.jit` of loss, grad and AdamW update with a NamedSharding batch, the
   gradient all-reduce left to GSPMD, the loss its only output.
 
-The repeats alternate between the two, and the medians are compared, so a machine
-that changes speed during the run moves both.
+The repeats alternate between the two, each first in every other repeat, and the
+medians are compared, so a machine that changes speed during the run moves both.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from jdp.parallel.mesh import batch_sharding, make_mesh, replicated
 
 def add_arguments(parser, name: str) -> None:
     steps.add_model_arguments(parser)
-    parser.set_defaults(model="nano", steps=60)
+    parser.set_defaults(model="nano", steps=60, repeats=6)  # even: each first as often
     parser.add_argument("--devices", default=[1, 8], type=_device_counts,
                         help="comma-separated device counts to measure (default 1,8; those "
                              "above jax.device_count() are left out)")
@@ -71,12 +71,13 @@ def run(args) -> None:
         jdp_step, jdp_carry = _jdp(model, tx, devices, batch_np)
         minimal_step, minimal_carry = _minimal(model, tx, devices, batch_np, jdp_carry[0])
         rates = {"jdp": [], "minimal": []}
-        for _ in range(args.repeats):
-            rate, jdp_carry = _rate(jdp_step, jdp_carry, args.steps, args.batch_size)
-            rates["jdp"].append(rate)
-            rate, minimal_carry = _rate(minimal_step, minimal_carry, args.steps,
-                                        args.batch_size)
-            rates["minimal"].append(rate)
+        carries = {"jdp": jdp_carry, "minimal": minimal_carry}
+        stepped = {"jdp": jdp_step, "minimal": minimal_step}
+        for repeat in range(args.repeats):  # each first in every other repeat
+            for name in ("jdp", "minimal") if repeat % 2 == 0 else ("minimal", "jdp"):
+                rate, carries[name] = _rate(stepped[name], carries[name], args.steps,
+                                            args.batch_size)
+                rates[name].append(rate)
         jdp_rate, minimal_rate = (statistics.median(rates[k]) for k in ("jdp", "minimal"))
         ratios[count] = jdp_rate / minimal_rate
         print(f"{count} device(s), ViT-{args.model}, global batch {args.batch_size}: jdp step "
