@@ -1,13 +1,13 @@
 """Wall time to the final accuracy: the default jdp command against a minimal script.
 
-    python -m jdp.bench overhead_e2e [--devices=8] [--repeats=3]
+    python -m jdp.bench overhead_e2e [--devices=8] [--repeats=4]
 
-Alternating `--repeats` times, each a fresh process timed from its start to its
-exit: `python -m jdp.main --config=experiments/vit.py` (the digits ViT with all its
-evaluations, checkpoint and writers, and an empty compilation cache: a first run),
-and `python -m jdp.bench.minimal_vit`, the same data, model, optimizer, schedule,
-steps and batch written by hand. Compile, data preparation and evaluation are in
-both; both report the final test accuracy.
+`--repeats` pairs, each command first in every other pair, each a fresh process
+timed from its start to its exit: `python -m jdp.main --config=experiments/vit.py`
+(the digits ViT with all its evaluations, checkpoint and writers, and an empty
+compilation cache: a first run), and `python -m jdp.bench.minimal_vit`, the same
+data, model, optimizer, schedule, steps and batch written by hand. Compile, data
+preparation and evaluation are in both; both report the final test accuracy.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def add_arguments(parser, name: str) -> None:
                         help="a digits ViT experiment file (what minimal_vit can mirror)")
     parser.add_argument("--steps", type=int, default=0,
                         help="train steps (default: the experiment's own, 600)")
-    parser.add_argument("--repeats", type=int, default=3, help="jdp/minimal pairs")
+    parser.add_argument("--repeats", type=int, default=4,
+                        help="jdp/minimal pairs (even: each command first as often)")
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
 
 
@@ -37,10 +38,13 @@ def run(args) -> None:
     minimal_args = _minimal_arguments(args.config, overrides)
     env = cpu_child_env(args.devices)
     walls = {"jdp": [], "minimal": []}
-    for repeat in range(1, args.repeats + 1):  # alternating, so drift hits both alike
+    for repeat in range(1, args.repeats + 1):  # alternating, each first in every other pair
+        if repeat % 2 == 0:
+            minimal_s, minimal_accuracy = _time_minimal(minimal_args, env)
         with tempfile.TemporaryDirectory(prefix="jdp-bench-e2e-") as scratch:
             jdp_s, jdp_accuracy = _time_jdp(args.config, overrides, scratch, env)
-        minimal_s, minimal_accuracy = _time_minimal(minimal_args, env)
+        if repeat % 2 == 1:
+            minimal_s, minimal_accuracy = _time_minimal(minimal_args, env)
         walls["jdp"].append(jdp_s)
         walls["minimal"].append(minimal_s)
         print(f"repeat {repeat}, {args.devices} devices: jdp {jdp_s:.1f} s to final accuracy "
