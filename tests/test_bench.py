@@ -78,3 +78,9 @@ def test_memory_refuses_hosts_that_do_not_divide_the_devices_in_one_line(hosts, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert err.startswith(f"--hosts={hosts}: this process has 8 devices") and "Fix:" in err
+
+
+def test_the_compared_loops_each_run_first_in_every_other_pair():
+    from jdp.bench import pair_order
+
+    assert [pair_order(pair) for pair in range(4)] == [("jdp", "minimal"), ("minimal", "jdp")] * 2

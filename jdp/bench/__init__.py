@@ -30,3 +30,10 @@ def cpu_child_env(devices: int) -> dict[str, str]:
     """The environment of a measuring process on `devices` simulated CPU devices: this
     process's, its XLA_FLAGS included, with only the device count replaced."""
     return {**os.environ, **cpu_device_env(os.environ, devices)}
+
+
+def pair_order(pair: int) -> tuple[str, str]:
+    """Which of "jdp" and "minimal" runs first in pair `pair` (counted from 0): each in
+    every other pair, so that a drift of the machine's speed within pairs, which a fixed
+    order puts on one side of every ratio, cancels over an even number of them."""
+    return ("jdp", "minimal") if pair % 2 == 0 else ("minimal", "jdp")

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from jdp.bench import cpu_child_env
+from jdp.bench import cpu_child_env, pair_order
 
 _CHILD_FLAG = "--_child"
 _DEFAULT_CONFIG = "experiments/vit.py"
@@ -294,11 +294,10 @@ def _child(argv: list[str]) -> None:
         rate, outcome["losses"] = _minimal_run(loop, batches, args.log_every, config.batch_size)
         rates["minimal"].append(rate)
 
+    measures = {"jdp": run_jdp, "minimal": run_minimal}
     for pair in range(args.repeats):
-        # Alternating, and each loop first in every other pair (jdp, minimal, minimal,
-        # jdp, ...): a drift of the machine's speed within pairs cancels over them.
-        for measure in (run_jdp, run_minimal) if pair % 2 == 0 else (run_minimal, run_jdp):
-            measure()
+        for name in pair_order(pair):
+            measures[name]()
     jdp_loss, losses = outcome["jdp_loss"], outcome["losses"]
     print(json.dumps({**rates, "input_wait": statistics.median(input_wait), "jdp_loss": jdp_loss,
                       "minimal_loss": statistics.mean(losses[-args.log_every:]),

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from jdp.bench import cpu_child_env
+from jdp.bench import cpu_child_env, pair_order
 from jdp.observe.writers import read_jsonl
 
 
@@ -38,13 +38,15 @@ def run(args) -> None:
     minimal_args = _minimal_arguments(args.config, overrides)
     env = cpu_child_env(args.devices)
     walls = {"jdp": [], "minimal": []}
-    for repeat in range(1, args.repeats + 1):  # alternating, each first in every other pair
-        if repeat % 2 == 0:
-            minimal_s, minimal_accuracy = _time_minimal(minimal_args, env)
+
+    def time_jdp() -> tuple[float, float]:
         with tempfile.TemporaryDirectory(prefix="jdp-bench-e2e-") as scratch:
-            jdp_s, jdp_accuracy = _time_jdp(args.config, overrides, scratch, env)
-        if repeat % 2 == 1:
-            minimal_s, minimal_accuracy = _time_minimal(minimal_args, env)
+            return _time_jdp(args.config, overrides, scratch, env)
+
+    timers = {"jdp": time_jdp, "minimal": lambda: _time_minimal(minimal_args, env)}
+    for repeat in range(1, args.repeats + 1):
+        timed = {name: timers[name]() for name in pair_order(repeat - 1)}
+        (jdp_s, jdp_accuracy), (minimal_s, minimal_accuracy) = timed["jdp"], timed["minimal"]
         walls["jdp"].append(jdp_s)
         walls["minimal"].append(minimal_s)
         print(f"repeat {repeat}, {args.devices} devices: jdp {jdp_s:.1f} s to final accuracy "

@@ -28,7 +28,7 @@ import time
 import jax
 import optax
 
-from jdp.bench import steps
+from jdp.bench import pair_order, steps
 from jdp.bench.overhead import minimal_train_step
 from jdp.parallel.mesh import batch_sharding, make_mesh, replicated
 
@@ -73,8 +73,8 @@ def run(args) -> None:
         rates = {"jdp": [], "minimal": []}
         carries = {"jdp": jdp_carry, "minimal": minimal_carry}
         stepped = {"jdp": jdp_step, "minimal": minimal_step}
-        for repeat in range(args.repeats):  # each first in every other repeat
-            for name in ("jdp", "minimal") if repeat % 2 == 0 else ("minimal", "jdp"):
+        for repeat in range(args.repeats):
+            for name in pair_order(repeat):
                 rate, carries[name] = _rate(stepped[name], carries[name], args.steps,
                                             args.batch_size)
                 rates[name].append(rate)
