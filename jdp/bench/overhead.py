@@ -2,9 +2,9 @@
 
     python -m jdp.bench overhead [--model=tiny] [--steps=300] [--log_every=50]
 
-For each backend (pjit, pmap) and device count (1, 8), a fresh process (the device
-count is fixed before jax starts) runs `--repeats` pairs of, each first in every
-other pair:
+For each backend (pjit, pmap) and device count (1, 8), `--repeats` pairs of the two
+loops, each first in every other pair, each pair in a process of its own (the
+device count is fixed before jax starts):
 
 - jdp: the experiment (default: the digits ViT) run through `jdp.main.run`, input
   pipeline, prefetch, step, window metrics, writers and watchdog included;
@@ -18,6 +18,13 @@ other pair:
 
 On a 2-core CPU anything a host thread does (preprocessing, copies, Python per
 step) is time the XLA step does not get, so the loop, not the step, is compared.
+
+Why a process per pair: on XLA:CPU the same compiled program runs up to ~8% faster
+or slower from one process to the next with where its buffers and code land in
+memory (address-space randomisation; with it turned off, repeated processes agree
+within ~2%). Pairs that share a process share that draw, which no number of them
+averages out; pairs in processes of their own each draw anew, and their median
+ratio is the figure.
 """
 
 from __future__ import annotations
@@ -48,7 +55,8 @@ def add_arguments(parser, name: str) -> None:
                         help="jdp's log window; the first window (and as many minimal steps) "
                         "is warm-up")
     parser.add_argument("--repeats", type=int, default=4,
-                        help="jdp/minimal pairs per config (even: each loop first as often)")
+                        help="jdp/minimal pairs per config, each in a process of its own "
+                        "(even: each loop first as often)")
     parser.add_argument("--backends", default="pjit,pmap")
     parser.add_argument("--devices", default="1,8", help="simulated CPU device counts")
 
@@ -94,15 +102,25 @@ def _rounded(values: list[float]) -> str:
 
 
 def _measure_in_child(args, backend: str, devices: int, cache_dir: str) -> dict:
-    """What `_child` measured in a new process with `devices` simulated CPU devices."""
+    """What `_child` measured over `--repeats` pairs, each in a new process with `devices`
+    simulated CPU devices: both loops' examples/s per pair, in pair order."""
+    pairs = [_pair_in_child(args, backend, devices, cache_dir, pair)
+             for pair in range(args.repeats)]
+    return {"jdp": [p["jdp"] for p in pairs], "minimal": [p["minimal"] for p in pairs],
+            "input_wait": statistics.median(p["input_wait"] for p in pairs),
+            **{key: pairs[-1][key] for key in ("jdp_loss", "minimal_loss", "workload")}}
+
+
+def _pair_in_child(args, backend: str, devices: int, cache_dir: str, pair: int) -> dict:
+    """What `_child` measured for pair `pair` in a new process."""
     argv = [sys.executable, "-m", "jdp.bench.overhead", _CHILD_FLAG, f"--backend={backend}",
             f"--cache_dir={cache_dir}", f"--config={os.path.abspath(args.config)}",
             f"--model={args.model}", f"--steps={args.steps}", f"--log_every={args.log_every}",
-            f"--repeats={args.repeats}"]
+            f"--pair={pair}"]
     proc = subprocess.run(argv, capture_output=True, text=True, env=cpu_child_env(devices))
     if proc.returncode != 0:
-        raise RuntimeError(f"the measuring process ({backend}, {devices} devices) exited "
-                           f"{proc.returncode}: {proc.stderr.strip()[-3000:]}")
+        raise RuntimeError(f"the measuring process ({backend}, {devices} devices, pair "
+                           f"{pair}) exited {proc.returncode}: {proc.stderr.strip()[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -266,11 +284,13 @@ def _minimal_run(loop, batches: list[dict], warmup_steps: int, batch_size: int):
 
 
 def _child(argv: list[str]) -> None:
-    """`--repeats` pairs of jdp and the minimal loop; prints examples/s as JSON."""
+    """One pair of jdp and the minimal loop, in `pair_order(--pair)`; prints both
+    examples/s as JSON."""
     parser = argparse.ArgumentParser()
     parser.add_argument(_CHILD_FLAG, action="store_true")
     parser.add_argument("--backend", required=True, choices=("pjit", "pmap"))
     parser.add_argument("--cache_dir", required=True)
+    parser.add_argument("--pair", type=int, required=True)
     add_arguments(parser, "overhead")
     args = parser.parse_args(argv)
 
@@ -283,24 +303,21 @@ def _child(argv: list[str]) -> None:
     tx = exp.build_optimizer(config, optim.learning_rate_fn(config))
     make_loop = _minimal_pjit if args.backend == "pjit" else _minimal_pmap
     loop = make_loop(built, tx, config.seed)
-    rates, input_wait, outcome = {"jdp": [], "minimal": []}, [], {}
+    outcome = {}
 
     def run_jdp():
-        rate, wait, outcome["jdp_loss"] = _jdp_run(config, args.config)
-        rates["jdp"].append(rate)
-        input_wait.append(wait)
+        outcome["jdp"], outcome["input_wait"], outcome["jdp_loss"] = _jdp_run(config,
+                                                                              args.config)
 
     def run_minimal():
-        rate, outcome["losses"] = _minimal_run(loop, batches, args.log_every, config.batch_size)
-        rates["minimal"].append(rate)
+        outcome["minimal"], losses = _minimal_run(loop, batches, args.log_every,
+                                                  config.batch_size)
+        outcome["minimal_loss"] = statistics.mean(losses[-args.log_every:])
 
     measures = {"jdp": run_jdp, "minimal": run_minimal}
-    for pair in range(args.repeats):
-        for name in pair_order(pair):
-            measures[name]()
-    jdp_loss, losses = outcome["jdp_loss"], outcome["losses"]
-    print(json.dumps({**rates, "input_wait": statistics.median(input_wait), "jdp_loss": jdp_loss,
-                      "minimal_loss": statistics.mean(losses[-args.log_every:]),
+    for name in pair_order(args.pair):
+        measures[name]()
+    print(json.dumps({**outcome,
                       "workload": f"{os.path.basename(args.config)} model "
                                   f"{config.model.get('size', '')}, batch {config.batch_size}, "
                                   f"{args.steps} steps"}))
