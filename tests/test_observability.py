@@ -6,12 +6,14 @@ import glob
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 from jdp.data import streamed
 from jdp.experiment import components, loader, optim
+from jdp.parallel import step as step_lib
 from jdp.parallel.factory import build_backend
 from jdp.parallel.mesh import make_mesh
 from jdp.task import weighted_sums
@@ -120,6 +122,22 @@ def test_norms_and_learning_rate_come_from_the_step(every_step):
         if "train/learning_rate" in record:
             np.testing.assert_allclose(record["train/learning_rate"],
                                        float(lr(record["step"] - 1)), rtol=1e-6)
+
+
+def test_packed_norms_equal_leaf_by_leaf_norms_in_one_reduction():
+    # On CPU the step packs the small leaves (step_lib.global_norm): one concatenation and one
+    # sum for them, where leaf by leaf each has kernels of its own; the value is the same.
+    rng = np.random.default_rng(0)
+    small = [rng.normal(size=(n,)).astype(np.float32) for n in range(1, 41)]
+    large = rng.normal(size=(step_lib.PACKED_NORM_ELEMENTS + 1,)).astype(np.float32)
+    tree = {"small": small, "large": large, "bf16": np.ones((3, 5), jnp.bfloat16)}
+    packed = jax.jit(lambda t: step_lib.global_norm(t, pack_small=True))
+    np.testing.assert_allclose(float(packed(tree)), float(optax.tree.norm(tree)), rtol=1e-6)
+    np.testing.assert_allclose(float(step_lib.global_norm(tree)), float(optax.tree.norm(tree)))
+    program = packed.lower(tree).compile().as_text()
+    entry = program[program.index("ENTRY"):]
+    assert entry.count("concatenate(") == 1
+    assert entry.count(" fusion(") < 10  # leaf by leaf: at least one per leaf
 
 
 def test_the_time_breakdown_is_logged(windowed):

@@ -96,7 +96,12 @@ class Backend:
             param_specs=param_specs, optimizer_specs=optimizer_specs,
             cross_host=opts.cross_host_reduce, error_feedback=opts.error_feedback,
             hosts=self.mesh.shape[HOSTS_AXIS], local=self.mesh.shape[LOCAL_AXIS],
-            fuse=self.mesh.devices.flat[0].platform == "cpu")
+            fuse=self._on_cpu())
+
+    def _on_cpu(self) -> bool:
+        """Whether the mesh is XLA:CPU's, which runs many small kernels, each at a fixed
+        cost: its reductions travel packed, its norms pack the small leaves."""
+        return self.mesh.devices.flat[0].platform == "cpu"
 
     # -- state: the canonical form is global arrays over the mesh ----------------
     def global_shardings(self, abstract_state: TrainState):
@@ -290,8 +295,10 @@ class PjitBackend(Backend):
                 out_specs=(reducer.grad_specs(), P(), P(), specs),
                 check_vma=False,
             )(state.params, state.model_state, batch, state.rng, state.step, state.residuals)
-            return step_lib.apply_gradients(self.tx, state, grads, model_state, metrics,
-                                            opts.learning_rate_fn, residuals)
+            return step_lib.apply_gradients(
+                self.tx, state, grads, model_state, metrics, opts.learning_rate_fn, residuals,
+                pack_norms=self._on_cpu() and not (opts.shard_params
+                                                   or opts.shard_optimizer_state))
 
         return train_step
 
@@ -350,7 +357,7 @@ class PmapBackend(Backend):
                 step_rng(state.rng, state.step), accum_steps=opts.accum_steps,
                 reducer=reducer, device_preprocess=opts.device_preprocess)
             return step_lib.apply_gradients(self.tx, state, grads, model_state, metrics,
-                                            opts.learning_rate_fn)
+                                            opts.learning_rate_fn, pack_norms=self._on_cpu())
 
         def eval_step(state, batch):
             return jax.lax.psum(step_lib.eval_sums(model, task, state, batch,
