@@ -34,6 +34,15 @@ def test_a_configured_directory_wins_and_none_turns_the_cache_off():
     assert compile_cache.resolve_dir("none", environ) is None
 
 
+def test_a_cache_enabled_for_a_block_leaves_the_process_settings_as_they_were(tmp_path):
+    # A benchmark run in-process (tests/test_bench.py) uses a cache of its own.
+    settings = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = [getattr(jax.config, name) for name in settings]
+    with compile_cache.enabled(str(tmp_path)):
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path)
+    assert [getattr(jax.config, name) for name in settings] == before
+
+
 def test_a_run_may_resume_with_another_cache_directory():
     saved = {**config_lib.defaults().to_dict(), "compile_cache_dir": "/old"}
     current = {**config_lib.defaults().to_dict(), "compile_cache_dir": "none"}

@@ -16,6 +16,10 @@ loop does:
 
 The repeats alternate between the two, each first in every other repeat, and the
 medians are compared, so a machine that changes speed during the run moves both.
+Each repeat compiles both programs anew (after the first, from a persistent
+compilation cache in a temporary directory): on XLA:CPU two compiles of one program
+in one process run up to ~8% apart, with where their code and buffers land, so
+repeats of the same two executables would all share one draw.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -31,6 +36,7 @@ import optax
 from jdp.bench import pair_order, steps
 from jdp.bench.overhead import minimal_train_step
 from jdp.parallel.mesh import batch_sharding, make_mesh, replicated
+from jdp.runtime import compile_cache
 
 
 def add_arguments(parser, name: str) -> None:
@@ -66,26 +72,34 @@ def run(args) -> None:
     model, tx = steps.vit_model(args.model), optax.adamw(1e-3)
     batch_np = steps.random_batch(args.batch_size)
     ratios = {}
-    for count in counts:
-        devices = jax.devices()[:count]
-        jdp_step, jdp_carry = _jdp(model, tx, devices, batch_np)
-        minimal_step, minimal_carry = _minimal(model, tx, devices, batch_np, jdp_carry[0])
-        rates = {"jdp": [], "minimal": []}
-        carries = {"jdp": jdp_carry, "minimal": minimal_carry}
-        stepped = {"jdp": jdp_step, "minimal": minimal_step}
-        for repeat in range(args.repeats):
-            for name in pair_order(repeat):
-                rate, carries[name] = _rate(stepped[name], carries[name], args.steps,
-                                            args.batch_size)
-                rates[name].append(rate)
-        jdp_rate, minimal_rate = (statistics.median(rates[k]) for k in ("jdp", "minimal"))
-        ratios[count] = jdp_rate / minimal_rate
-        print(f"{count} device(s), ViT-{args.model}, global batch {args.batch_size}: jdp step "
-              f"{jdp_rate:.0f} examples/s, minimal step {minimal_rate:.0f} "
-              f"(medians of {args.repeats} x {args.steps} steps)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="jdp-bench-step-overhead-") as cache_dir, \
+            compile_cache.enabled(cache_dir):
+        for count in counts:
+            rates = _measure(model, tx, jax.devices()[:count], batch_np, args)
+            jdp_rate, minimal_rate = (statistics.median(rates[k]) for k in ("jdp", "minimal"))
+            ratios[count] = jdp_rate / minimal_rate
+            print(f"{count} device(s), ViT-{args.model}, global batch {args.batch_size}: jdp "
+                  f"step {jdp_rate:.0f} examples/s, minimal step {minimal_rate:.0f} "
+                  f"(medians of {args.repeats} x {args.steps} steps)", flush=True)
     print("step_overhead: jdp step / minimal step examples/s = " + ", ".join(
         f"{ratio:.3f} ({count} device{'s' if count > 1 else ''})"
         for count, ratio in ratios.items()))
+
+
+def _measure(model, tx, devices, batch_np, args) -> dict[str, list[float]]:
+    """Both steps' examples/s per repeat on `devices`, each repeat with both programs
+    compiled anew."""
+    rates = {"jdp": [], "minimal": []}
+    for repeat in range(args.repeats):
+        jdp_step, jdp_carry = _jdp(model, tx, devices, batch_np)
+        minimal_step, minimal_carry = _minimal(model, tx, devices, batch_np, jdp_carry[0])
+        carries = {"jdp": jdp_carry, "minimal": minimal_carry}
+        stepped = {"jdp": jdp_step, "minimal": minimal_step}
+        for name in pair_order(repeat):
+            rate, carries[name] = _rate(stepped[name], carries[name], args.steps,
+                                        args.batch_size)
+            rates[name].append(rate)
+    return rates
 
 
 def _jdp(model, tx, devices, batch_np):

@@ -8,9 +8,10 @@ and `compiler._cache_read` turns that into a warning and a recompile, not a fail
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import jax
 from absl import logging
@@ -73,6 +74,21 @@ def enable(directory: str | None) -> None:
     # compiles or an earlier call with another directory.
     compilation_cache.reset_cache()
     logging.info("compilation cache: %s", directory or "off")
+
+
+@contextlib.contextmanager
+def enabled(directory: str | None) -> Iterator[None]:
+    """`enable(directory)` for the compiles inside the block; the process's cache
+    settings as they were after it (a benchmark run in-process, e.g. by a test)."""
+    previous = (jax.config.jax_compilation_cache_dir,
+                jax.config.jax_persistent_cache_min_compile_time_secs)
+    enable(directory)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", previous[1])
+        compilation_cache.reset_cache()
 
 
 def _check_writable(directory: str) -> None:
