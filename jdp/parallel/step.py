@@ -147,9 +147,9 @@ def global_norm(tree, pack_small: bool = False) -> jax.Array:
     packed (its matrices are reduced where they lie, where a copy would cost more).
     Concatenating sharded leaves would make XLA gather them, hence the option.
     """
-    leaves = jax.tree.leaves(tree)
     if not pack_small:
         return optax.tree.norm(tree)
+    leaves = jax.tree.leaves(tree)
     small = [jnp.ravel(x).astype(jnp.float32) for x in leaves if x.size <= PACKED_NORM_ELEMENTS]
     squares = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves
                if x.size > PACKED_NORM_ELEMENTS]
