@@ -70,7 +70,7 @@ def run(args) -> None:
     with tempfile.TemporaryDirectory(prefix="jdp-bench-overhead-") as cache_dir:
         for backend in backends:
             for devices in device_counts:
-                measured = _measure_in_child(args, backend, devices, cache_dir)
+                measured = _measure_in_children(args, backend, devices, cache_dir)
                 jdp, minimal = _medians(measured)
                 ratios.append(jdp / minimal)
                 print(f"{backend} {devices} device(s), {_describe(measured)}", flush=True)
@@ -101,7 +101,7 @@ def _rounded(values: list[float]) -> str:
     return "/".join(f"{v:.0f}" for v in values)
 
 
-def _measure_in_child(args, backend: str, devices: int, cache_dir: str) -> dict:
+def _measure_in_children(args, backend: str, devices: int, cache_dir: str) -> dict:
     """What `_child` measured over `--repeats` pairs, each in a new process with `devices`
     simulated CPU devices: both loops' examples/s per pair, in pair order."""
     pairs = [_pair_in_child(args, backend, devices, cache_dir, pair)
