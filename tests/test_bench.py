@@ -84,3 +84,31 @@ def test_the_compared_loops_each_run_first_in_every_other_pair():
     from jdp.bench import pair_order
 
     assert [pair_order(pair) for pair in range(4)] == [("jdp", "minimal"), ("minimal", "jdp")] * 2
+
+
+@pytest.mark.parametrize("flag", ["--repeats", "--pairs_per_process"])
+def test_overhead_refuses_a_count_of_pairs_below_one(flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["overhead", f"{flag}=0"])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: '0' is not a count of pairs. Fix:" in capsys.readouterr().err
+
+
+def test_overhead_splits_its_pairs_over_processes_in_pair_order(monkeypatch):
+    import argparse
+
+    from jdp.bench import overhead
+
+    started = []
+
+    def pairs_in_child(args, backend, devices, cache_dir, first, count):
+        started.append((first, count))
+        return [{"jdp": 2.0 * pair, "minimal": 1.0, "input_wait": 0.0, "jdp_loss": 0.0,
+                 "minimal_loss": 0.0, "workload": "w"} for pair in range(first, first + count)]
+
+    monkeypatch.setattr(overhead, "_pairs_in_child", pairs_in_child)
+    args = argparse.Namespace(repeats=7, pairs_per_process=3)
+    measured = overhead._measure_in_children(args, "pjit", 1, "unused")
+    assert started == [(0, 3), (3, 3), (6, 1)]
+    assert measured["jdp"] == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0]
+    assert measured["minimal"] == [1.0] * 7

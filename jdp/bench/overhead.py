@@ -3,8 +3,9 @@
     python -m jdp.bench overhead [--model=tiny] [--steps=300] [--log_every=50]
 
 For each backend (pjit, pmap) and device count (1, 8), `--repeats` pairs of the two
-loops, each first in every other pair, each pair in a process of its own (the
-device count is fixed before jax starts):
+loops, each first in every other pair, each pair loading both loops' programs anew,
+`--pairs_per_process` pairs in each process (the device count is fixed before jax
+starts):
 
 - jdp: the experiment (default: the digits ViT) run through `jdp.main.run`, input
   pipeline, prefetch, step, window metrics, writers and watchdog included;
@@ -19,12 +20,16 @@ device count is fixed before jax starts):
 On a 2-core CPU anything a host thread does (preprocessing, copies, Python per
 step) is time the XLA step does not get, so the loop, not the step, is compared.
 
-Why a process per pair: on XLA:CPU the same compiled program runs up to ~8% faster
-or slower from one process to the next with where its buffers and code land in
-memory (address-space randomisation; with it turned off, repeated processes agree
-within ~2%). Pairs that share a process share that draw, which no number of them
-averages out; pairs in processes of their own each draw anew, and their median
-ratio is the figure.
+Why fresh programs for each pair: on XLA:CPU the same compiled program runs up to
+~10% faster or slower from one load to the next with where its buffers and code land
+in memory (address-space randomisation; with it turned off, repeated processes agree
+within ~2%). Pairs that share loaded programs share that draw, which no number of
+them averages out; pairs that load (from the persistent compilation cache) both
+programs anew each draw anew, and their median ratio is the figure. A new load in
+the same process draws as widely as a new process (the digits ViT's minimal pmap
+loop: 8,100-10,100 examples/s over four loads in one process), and costs less than
+starting one (~12 s a pair on nano against ~10 s more for a process), so a few
+pairs share each process.
 """
 
 from __future__ import annotations
@@ -54,11 +59,21 @@ def add_arguments(parser, name: str) -> None:
     parser.add_argument("--log_every", type=int, default=50,
                         help="jdp's log window; the first window (and as many minimal steps) "
                         "is warm-up")
-    parser.add_argument("--repeats", type=int, default=4,
-                        help="jdp/minimal pairs per config, each in a process of its own "
-                        "(even: each loop first as often)")
+    parser.add_argument("--repeats", type=_count, default=12,
+                        help="jdp/minimal pairs per config, each loading both loops' "
+                        "programs anew (even: each loop first as often)")
+    parser.add_argument("--pairs_per_process", type=_count, default=3,
+                        help="pairs measured in each new process")
     parser.add_argument("--backends", default="pjit,pmap")
     parser.add_argument("--devices", default="1,8", help="simulated CPU device counts")
+
+
+def _count(text: str) -> int:
+    """A count of pairs: a whole number of at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count of pairs. Fix: pass a whole "
+                                         f"number of at least 1.")
+    return int(text)
 
 
 def run(args) -> None:
@@ -102,25 +117,30 @@ def _rounded(values: list[float]) -> str:
 
 
 def _measure_in_children(args, backend: str, devices: int, cache_dir: str) -> dict:
-    """What `_child` measured over `--repeats` pairs, each in a new process with `devices`
-    simulated CPU devices: both loops' examples/s per pair, in pair order."""
-    pairs = [_pair_in_child(args, backend, devices, cache_dir, pair)
-             for pair in range(args.repeats)]
+    """What `_child` measured over `--repeats` pairs, `--pairs_per_process` in each new
+    process with `devices` simulated CPU devices: both loops' examples/s per pair, in
+    pair order."""
+    pairs = []
+    for first in range(0, args.repeats, args.pairs_per_process):
+        count = min(args.pairs_per_process, args.repeats - first)
+        pairs += _pairs_in_child(args, backend, devices, cache_dir, first, count)
     return {"jdp": [p["jdp"] for p in pairs], "minimal": [p["minimal"] for p in pairs],
             "input_wait": statistics.median(p["input_wait"] for p in pairs),
             **{key: pairs[-1][key] for key in ("jdp_loss", "minimal_loss", "workload")}}
 
 
-def _pair_in_child(args, backend: str, devices: int, cache_dir: str, pair: int) -> dict:
-    """What `_child` measured for pair `pair` in a new process."""
+def _pairs_in_child(args, backend: str, devices: int, cache_dir: str, first: int,
+                    count: int) -> list[dict]:
+    """What `_child` measured for pairs `first` to `first + count - 1` in a new process."""
     argv = [sys.executable, "-m", "jdp.bench.overhead", _CHILD_FLAG, f"--backend={backend}",
             f"--cache_dir={cache_dir}", f"--config={os.path.abspath(args.config)}",
             f"--model={args.model}", f"--steps={args.steps}", f"--log_every={args.log_every}",
-            f"--pair={pair}"]
+            f"--first_pair={first}", f"--pairs={count}"]
     proc = subprocess.run(argv, capture_output=True, text=True, env=cpu_child_env(devices))
     if proc.returncode != 0:
-        raise RuntimeError(f"the measuring process ({backend}, {devices} devices, pair "
-                           f"{pair}) exited {proc.returncode}: {proc.stderr.strip()[-3000:]}")
+        raise RuntimeError(f"the measuring process ({backend}, {devices} devices, pairs "
+                           f"{first}-{first + count - 1}) exited {proc.returncode}: "
+                           f"{proc.stderr.strip()[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -284,13 +304,15 @@ def _minimal_run(loop, batches: list[dict], warmup_steps: int, batch_size: int):
 
 
 def _child(argv: list[str]) -> None:
-    """One pair of jdp and the minimal loop, in `pair_order(--pair)`; prints both
-    examples/s as JSON."""
+    """Pairs `--first_pair` to `--first_pair + --pairs - 1` of jdp and the minimal loop,
+    each in `pair_order(pair)` and loading both loops' programs anew; prints the pairs'
+    examples/s as a JSON list."""
     parser = argparse.ArgumentParser()
     parser.add_argument(_CHILD_FLAG, action="store_true")
     parser.add_argument("--backend", required=True, choices=("pjit", "pmap"))
     parser.add_argument("--cache_dir", required=True)
-    parser.add_argument("--pair", type=int, required=True)
+    parser.add_argument("--first_pair", type=int, required=True)
+    parser.add_argument("--pairs", type=int, required=True)
     add_arguments(parser, "overhead")
     args = parser.parse_args(argv)
 
@@ -302,25 +324,27 @@ def _child(argv: list[str]) -> None:
     batches = _real_batches(config, built)
     tx = exp.build_optimizer(config, optim.learning_rate_fn(config))
     make_loop = _minimal_pjit if args.backend == "pjit" else _minimal_pmap
-    loop = make_loop(built, tx, config.seed)
-    outcome = {}
+    workload = (f"{os.path.basename(args.config)} model {config.model.get('size', '')}, "
+                f"batch {config.batch_size}, {args.steps} steps")
+    pairs = []
+    for pair in range(args.first_pair, args.first_pair + args.pairs):
+        outcome = {"workload": workload}
 
-    def run_jdp():
-        outcome["jdp"], outcome["input_wait"], outcome["jdp_loss"] = _jdp_run(config,
-                                                                              args.config)
+        def run_jdp(outcome=outcome):  # jdp.main.run builds and loads its step anew
+            outcome["jdp"], outcome["input_wait"], outcome["jdp_loss"] = _jdp_run(
+                config, args.config)
 
-    def run_minimal():
-        outcome["minimal"], losses = _minimal_run(loop, batches, args.log_every,
-                                                  config.batch_size)
-        outcome["minimal_loss"] = statistics.mean(losses[-args.log_every:])
+        def run_minimal(outcome=outcome):  # new jitted functions: loaded anew
+            outcome["minimal"], losses = _minimal_run(make_loop(built, tx, config.seed),
+                                                      batches, args.log_every,
+                                                      config.batch_size)
+            outcome["minimal_loss"] = statistics.mean(losses[-args.log_every:])
 
-    measures = {"jdp": run_jdp, "minimal": run_minimal}
-    for name in pair_order(args.pair):
-        measures[name]()
-    print(json.dumps({**outcome,
-                      "workload": f"{os.path.basename(args.config)} model "
-                                  f"{config.model.get('size', '')}, batch {config.batch_size}, "
-                                  f"{args.steps} steps"}))
+        measures = {"jdp": run_jdp, "minimal": run_minimal}
+        for name in pair_order(pair):
+            measures[name]()
+        pairs.append(outcome)
+    print(json.dumps(pairs))
 
 
 if __name__ == "__main__":
