@@ -204,6 +204,30 @@ def test_a_slow_input_shows_as_data_wait(tmp_path):
     assert waits[-1] > 0.5 and waits[0] < waits[-1], waits
 
 
+def test_the_window_clock_splits_a_window_into_steps_input_wait_and_evaluation():
+    from jdp.observe.throughput import WindowClock
+
+    now = [100.0]
+    clock = WindowClock(global_batch_size=64, device_count=2, clock=lambda: now[0])
+    clock.start(10)
+    for wait in (0.5, 1.5):  # two waits for input, summed
+        with clock.timed("data_wait"):
+            now[0] += wait
+        now[0] += 3.0  # the step
+    with clock.timed("eval"):
+        now[0] += 4.0  # left out of the step time
+    figures = clock.lap(12)
+    assert figures["train/step_time_s"] == 4.0  # (2 + 6) / 2 steps
+    assert figures["train/examples_per_s"] == 16.0
+    assert figures["train/examples_per_s_per_device"] == 8.0
+    assert figures["train/data_wait_fraction"] == 0.25
+    assert figures["time/eval_s"] == 4.0 and figures["time/checkpoint_s"] == 0.0
+    with clock.timed("checkpoint"):  # the next window starts from nothing spent
+        now[0] += 1.0
+    now[0] += 2.0
+    assert clock.lap(13)["train/step_time_s"] == 2.0
+
+
 def test_a_profile_window_writes_a_trace_and_changes_no_metric(every_step, tmp_path):
     _, records = train(VIT, tmp_path, *TINY, "--config.log_every_steps=1",
                        "--config.profile.start_step=3", "--config.profile.num_steps=2")

@@ -31,17 +31,8 @@ class WindowClock:
         self._window_start, self._window_step = self.clock(), step
         self._spent = dict.fromkeys(self.PHASES, 0.0)
 
-    def timed(self, phase: str):
-        clock = self
-
-        class _Timed:
-            def __enter__(self):
-                self.t0 = clock.clock()
-
-            def __exit__(self, *exc):
-                clock._spent[phase] += clock.clock() - self.t0
-
-        return _Timed()
+    def timed(self, phase: str) -> _Timed:
+        return _Timed(self, phase)
 
     def lap(self, step: int) -> dict[str, float]:
         """The window's figures, then a new window starts at `step`."""
@@ -62,6 +53,22 @@ class WindowClock:
         self._window_start, self._window_step = now, step
         self._spent = dict.fromkeys(self.PHASES, 0.0)
         return out
+
+
+class _Timed:
+    """Adds the time spent inside a `with` block to a WindowClock's phase (a class of
+    its own: the loop enters one every step)."""
+
+    __slots__ = ("_clock", "_phase", "_t0")
+
+    def __init__(self, clock: WindowClock, phase: str):
+        self._clock, self._phase = clock, phase
+
+    def __enter__(self) -> None:
+        self._t0 = self._clock.clock()
+
+    def __exit__(self, *exc) -> None:
+        self._clock._spent[self._phase] += self._clock.clock() - self._t0
 
 
 def memory_metrics(device, compiled_bytes: int | None) -> dict[str, float]:
