@@ -329,20 +329,15 @@ def _child(argv: list[str]) -> None:
     pairs = []
     for pair in range(args.first_pair, args.first_pair + args.pairs):
         outcome = {"workload": workload}
-
-        def run_jdp(outcome=outcome):  # jdp.main.run builds and loads its step anew
-            outcome["jdp"], outcome["input_wait"], outcome["jdp_loss"] = _jdp_run(
-                config, args.config)
-
-        def run_minimal(outcome=outcome):  # new jitted functions: loaded anew
-            outcome["minimal"], losses = _minimal_run(make_loop(built, tx, config.seed),
-                                                      batches, args.log_every,
-                                                      config.batch_size)
-            outcome["minimal_loss"] = statistics.mean(losses[-args.log_every:])
-
-        measures = {"jdp": run_jdp, "minimal": run_minimal}
         for name in pair_order(pair):
-            measures[name]()
+            if name == "jdp":  # jdp.main.run builds and loads its step anew
+                outcome["jdp"], outcome["input_wait"], outcome["jdp_loss"] = _jdp_run(
+                    config, args.config)
+            else:  # new jitted functions: loaded anew
+                outcome["minimal"], losses = _minimal_run(make_loop(built, tx, config.seed),
+                                                          batches, args.log_every,
+                                                          config.batch_size)
+                outcome["minimal_loss"] = statistics.mean(losses[-args.log_every:])
         pairs.append(outcome)
     print(json.dumps(pairs))
 
