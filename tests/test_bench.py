@@ -14,7 +14,8 @@ from jdp.bench.__main__ import SUBCOMMANDS, main
 
 # subcommand -> (tiny arguments, pattern of the summary line it prints last)
 TINY = {
-    "overhead": (["--steps=4", "--log_every=2", "--repeats=1", "--devices=1", "--backends=pjit"],
+    "overhead": (["--steps=4", "--log_every=2", "--repeats=2", "--pairs_per_process=2",
+                  "--devices=1", "--backends=pjit"],
                  r"^overhead: jdp loop / minimal loop examples/s = \d+\.\d{3} "
                  r"\(worst of pjit x 1 devices\)$"),
     "overhead_e2e": (["--steps=4", "--repeats=1", "--devices=1"],
