@@ -251,6 +251,50 @@ def test_check_same_is_a_no_op_for_one_process():
     distributed.check_same_across_processes({"config": "{}"})
 
 
+class _FailingJob:
+    """jax.distributed's state and client for a process of `count` whose failure the
+    processes in `failed` also record; the barrier gives up unless all of them did."""
+
+    def __init__(self, me: int, count: int, failed: set[int]):
+        self.process_id, self.num_processes, self.client = me, count, self
+        self.store = {f"jdp/failures/{index}": "1" for index in failed}
+
+    def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
+        self.store[key] = value
+
+    def key_value_dir_get(self, prefix: str) -> list[tuple[str, str]]:
+        return [(key, value) for key, value in self.store.items() if key.startswith(prefix)]
+
+    def wait_at_barrier(self, barrier_id: str, timeout_ms: int) -> None:
+        if len(self.key_value_dir_get("jdp/failures/")) < self.num_processes:
+            raise jax.errors.JaxRuntimeError(f"DEADLINE_EXCEEDED: Barrier timed out: {barrier_id}")
+
+
+@pytest.mark.parametrize("failed, named", [
+    ({1, 2, 3}, None), ({2}, "processes 1, 3 did not fail"), ({1, 2}, "process 3 did not fail")])
+def test_a_failed_process_names_the_processes_that_did_not_fail_with_it(
+        monkeypatch, failed, named):
+    """The survivor of a peer killed mid-collective fails too (gloo: connection closed by
+    peer); its exit must name the peer, not only say that the others did not fail."""
+    exits = []
+
+    def exit_now(message: str, exit_code: int) -> None:
+        exits.append((message, exit_code))
+        raise SystemExit(exit_code)
+
+    monkeypatch.setattr(watchdog, "exit_now", exit_now)
+    monkeypatch.setattr(distributed, "job_state", lambda: _FailingJob(0, 4, failed))
+    with pytest.raises(SystemExit), distributed.ending_promptly_on_failure():
+        raise RuntimeError("Gloo all-reduce failed: Connection closed by peer")
+    [(message, code)] = exits
+    assert code == 1
+    if named is None:
+        assert message == ""
+    else:
+        assert message.startswith(f"jdp: process 0 of 4 failed; {named} with it within 10 s")
+        assert message.endswith("exiting with status 1 without waiting for them")
+
+
 # -- multi-process -------------------------------------------------------------------------------
 
 

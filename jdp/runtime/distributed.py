@@ -300,15 +300,46 @@ def job_state():
 def _exit_after_failure(state, exit_code: int) -> NoReturn:
     """Waits (bounded) for every process of the job (`job_state()`) to fail, then exits
     without jax's exit barrier: process 0 serves the coordination service, which the
-    others may still need to report the same error."""
+    others may still need to report the same error. When some do not fail in time, the
+    message names them: they died (a peer gone cuts off this process's collectives, the
+    usual reason it failed), hang, or cannot reach the coordinator."""
+    client, me, count = state.client, state.process_id, state.num_processes
+    # A coordinator that hangs (rather than dies, which ends this process) must not hold
+    # it here either.
+    backstop = threading.Timer(FAILED_EXIT_WAIT_S + 10, lambda: watchdog.exit_now(
+        f"jdp: process {me} of {count} failed and the coordinator did not answer within "
+        f"{FAILED_EXIT_WAIT_S + 10} s; exiting with status {exit_code}", exit_code))
+    backstop.daemon = True
+    backstop.start()
     try:
-        state.client.wait_at_barrier("jdp/failed", FAILED_EXIT_WAIT_S * 1000)
+        client.key_value_set(f"{_FAILED_KEY_DIR}{me}", "1", allow_overwrite=True)
+        client.wait_at_barrier("jdp/failed", FAILED_EXIT_WAIT_S * 1000)
         message = ""
     except jax.errors.JaxRuntimeError:
-        message = (f"jdp: process {state.process_id} failed and the other processes did not "
-                   f"within {FAILED_EXIT_WAIT_S} s; exiting with status {exit_code} without "
-                   "waiting for them")
+        message = f"jdp: process {me} of {count} failed; {_who_did_not_fail(client, me, count)}; "
+        message += f"exiting with status {exit_code} without waiting for them"
     watchdog.exit_now(message, exit_code)
+
+
+# Where each failed process records its failure, so that one giving up on the others can
+# name those that did not fail with it.
+_FAILED_KEY_DIR = "jdp/failures/"
+
+
+def _who_did_not_fail(client, me: int, count: int) -> str:
+    """Which of the other processes did not record a failure within FAILED_EXIT_WAIT_S."""
+    try:
+        entries = client.key_value_dir_get(_FAILED_KEY_DIR)
+    except jax.errors.JaxRuntimeError as e:
+        return f"the coordinator did not say which others failed ({str(e).splitlines()[0]})"
+    failed = {int(key.rsplit("/", 1)[1]) for key, _ in entries}
+    missing = [index for index in range(count) if index != me and index not in failed]
+    if not missing:
+        return f"the others failed too, not all within {FAILED_EXIT_WAIT_S} s"
+    names = ", ".join(str(index) for index in missing)
+    return (f"process{'es' if len(missing) > 1 else ''} {names} did not fail with it within "
+            f"{FAILED_EXIT_WAIT_S} s (died, hung, or cannot reach the coordinator: a process "
+            "gone also cuts off the others' collectives; see its log)")
 
 
 class MismatchError(ValueError):
