@@ -25,6 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from multiprocessing import shared_memory
 from typing import Any
 
 import grain
@@ -124,10 +125,27 @@ class _WorkerBatches:
 
 
 def _out_of_shared_memory(batch: Batch) -> Batch:
-    """Workers hand batches over in shared memory, which is unlinked when the array is
-    garbage collected; a copy (one memcpy) is an ordinary array that nothing can free
-    under the device transfer or leak at exit."""
-    return {key: np.array(value) for key, value in batch.items()}
+    """Workers hand batches over in shared memory; a copy (one memcpy) is an ordinary
+    array that nothing can free under the device transfer or leak at exit. Each segment
+    is unlinked here, once copied, rather than by grain's deletion: that runs later in a
+    thread pool, which closes the segment's file first and, when the close fails (seen:
+    EBADF while the workers start, about one pipeline in 20), never unlinks it, silently,
+    so it stays in /dev/shm until the resource tracker removes it at exit."""
+    copied = {key: np.array(value) for key, value in batch.items()}
+    for value in batch.values():
+        _unlink_now(value)
+    return copied
+
+
+def _unlink_now(value: Any) -> None:
+    """Removes the name of the shared-memory segment behind `value` (a grain
+    SharedMemoryArray this process is to unlink), leaving grain's deletion to unmap it
+    only. Anything else is left as it is."""
+    segment = getattr(value, "shm", None)
+    if isinstance(segment, shared_memory.SharedMemory) and getattr(value, "_unlink_on_del",
+                                                                   False):
+        segment.unlink()
+        value._unlink_on_del = False  # grain's own unlink would now fail, and be lost
 
 
 def train_batches(
