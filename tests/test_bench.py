@@ -15,7 +15,7 @@ from jdp.bench.__main__ import SUBCOMMANDS, main
 # subcommand -> (tiny arguments, pattern of the summary line it prints last)
 TINY = {
     "overhead": (["--steps=4", "--log_every=2", "--repeats=2", "--pairs_per_process=2",
-                  "--devices=1", "--backends=pjit"],
+                  "--devices=1", "--backends=pjit", "--prepared_input"],
                  r"^overhead: jdp loop / minimal loop examples/s = \d+\.\d{3} "
                  r"\(worst of pjit x 1 devices\)$"),
     "overhead_e2e": (["--steps=4", "--repeats=1", "--devices=1"],
@@ -46,6 +46,18 @@ TINY = {
 OWN_TEST = {"gpu"}
 
 
+def _jdp_trains_alike_on_prepared_input(lines: list[str]) -> None:
+    """jdp's loop fed the minimal loop's batches, prepared beforehand, is fed what its
+    own input pipeline gives: the same last window's loss."""
+    [described] = [line for line in lines if line.startswith("pjit 1 device(s)")]
+    jdp, prepared = re.findall(r"last window's loss (\d+\.\d+)", described)
+    assert jdp == prepared, described
+
+
+# subcommand -> a check of what it printed besides the summary
+ALSO = {"overhead": _jdp_trains_alike_on_prepared_input}
+
+
 def test_every_subcommand_has_a_smoke_test():
     assert sorted([*TINY, *OWN_TEST]) == sorted(SUBCOMMANDS)
 
@@ -57,6 +69,7 @@ def test_subcommand_runs_and_prints_its_summary_last(name, capsys, tmp_path):
     main([name, *(arg.format(tmp_path=tmp_path) for arg in argv)])
     lines = capsys.readouterr().out.strip().splitlines()
     assert re.match(summary, lines[-1]), lines[-5:]
+    ALSO.get(name, lambda lines: None)(lines)
 
 
 @pytest.mark.parametrize("devices, message", [

@@ -15,7 +15,11 @@ starts):
   mesh and batches (taken from jdp's pipeline beforehand, held as numpy), a plain
   `jax.jit` step on a NamedSharding-sharded batch (pmap: `jax.pmap` with `pmean`),
   dispatched asynchronously with the loss read one step late, timed over the same
-  steps after the same warm-up.
+  steps after the same warm-up;
+- with `--prepared_input`, a third run each pair: jdp's whole loop fed the minimal
+  loop's batches, prepared beforehand, instead of its input pipeline's (their
+  transfer to the devices stays in its prefetch thread). Its ratio is the loop's
+  without the input's work; the difference from jdp's is the input pipeline's share.
 
 On a 2-core CPU anything a host thread does (preprocessing, copies, Python per
 step) is time the XLA step does not get, so the loop, not the step, is compared.
@@ -35,6 +39,7 @@ pairs share each process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -66,6 +71,9 @@ def add_arguments(parser, name: str) -> None:
                         help="pairs measured in each new process")
     parser.add_argument("--backends", default="pjit,pmap")
     parser.add_argument("--devices", default="1,8", help="simulated CPU device counts")
+    parser.add_argument("--prepared_input", action="store_true",
+                        help="also run jdp's loop fed batches prepared beforehand, as the "
+                        "minimal loop is: the input pipeline's share of the gap")
 
 
 def _count(text: str) -> int:
@@ -81,35 +89,54 @@ def run(args) -> None:
         raise SystemExit(f"--steps={args.steps} leaves no log window after the first "
                          f"(--log_every={args.log_every}). Fix: --steps >= 2 x --log_every.")
     backends, device_counts = args.backends.split(","), [int(n) for n in args.devices.split(",")]
-    ratios = []
+    ratios, prepared_ratios = [], []
     with tempfile.TemporaryDirectory(prefix="jdp-bench-overhead-") as cache_dir:
         for backend in backends:
             for devices in device_counts:
                 measured = _measure_in_children(args, backend, devices, cache_dir)
                 jdp, minimal = _medians(measured)
                 ratios.append(jdp / minimal)
+                if args.prepared_input:
+                    prepared, _ = _medians(measured, "prepared")
+                    prepared_ratios.append(prepared / minimal)
                 print(f"{backend} {devices} device(s), {_describe(measured)}", flush=True)
-    print(f"overhead: jdp loop / minimal loop examples/s = {min(ratios):.3f} (worst of "
-          f"{'/'.join(backends)} x {'/'.join(map(str, device_counts))} devices)")
+    worst_of = f"worst of {'/'.join(backends)} x {'/'.join(map(str, device_counts))} devices"
+    if prepared_ratios:
+        print(f"overhead, input prepared beforehand: jdp loop / minimal loop examples/s = "
+              f"{min(prepared_ratios):.3f} ({worst_of})")
+    print(f"overhead: jdp loop / minimal loop examples/s = {min(ratios):.3f} ({worst_of})")
 
 
 def _describe(measured: dict) -> str:
     """One configuration's figures: the medians, every repeat, and the ratios."""
     jdp, minimal = _medians(measured)
-    # Robust to a load that changes between repeats: each pair ran back to back.
-    paired = statistics.median(a / b for a, b in zip(measured["jdp"], measured["minimal"],
-                                                     strict=True))
-    return (f"{measured['workload']}: jdp loop {jdp:.0f} examples/s (waiting for input "
+    text = (f"{measured['workload']}: jdp loop {jdp:.0f} examples/s (waiting for input "
             f"{100 * measured['input_wait']:.0f}% of the time), minimal loop {minimal:.0f} "
             f"(medians of {_rounded(measured['jdp'])} and {_rounded(measured['minimal'])}; "
             f"last window's loss {measured['jdp_loss']:.4f} and "
             f"{measured['minimal_loss']:.4f}): ratio {jdp / minimal:.3f} (median of the "
-            f"pairs' ratios {paired:.3f})")
+            f"pairs' ratios {_paired(measured, 'jdp'):.3f})")
+    if "prepared" not in measured:
+        return text
+    prepared = statistics.median(measured["prepared"])
+    return (f"{text}; input prepared beforehand: jdp loop {prepared:.0f} (median of "
+            f"{_rounded(measured['prepared'])}; last window's loss "
+            f"{measured['prepared_loss']:.4f}): ratio {prepared / minimal:.3f} (median of "
+            f"the pairs' ratios {_paired(measured, 'prepared'):.3f}), the input pipeline's "
+            f"share {(prepared - jdp) / minimal:.3f}")
 
 
-def _medians(measured: dict) -> tuple[float, float]:
-    """The median examples/s of jdp's loop and of the minimal loop."""
-    return statistics.median(measured["jdp"]), statistics.median(measured["minimal"])
+def _paired(measured: dict, loop: str) -> float:
+    """The median of the pairs' ratios of `loop` to the minimal loop: robust to a load
+    that changes between repeats, as each pair ran back to back."""
+    return statistics.median(a / b for a, b in zip(measured[loop], measured["minimal"],
+                                                   strict=True))
+
+
+def _medians(measured: dict, loop: str = "jdp") -> tuple[float, float]:
+    """The median examples/s of `loop` (jdp's loop, or it with the input prepared) and of
+    the minimal loop."""
+    return statistics.median(measured[loop]), statistics.median(measured["minimal"])
 
 
 def _rounded(values: list[float]) -> str:
@@ -124,9 +151,11 @@ def _measure_in_children(args, backend: str, devices: int, cache_dir: str) -> di
     for first in range(0, args.repeats, args.pairs_per_process):
         count = min(args.pairs_per_process, args.repeats - first)
         pairs += _pairs_in_child(args, backend, devices, cache_dir, first, count)
-    return {"jdp": [p["jdp"] for p in pairs], "minimal": [p["minimal"] for p in pairs],
+    loops = ("jdp", "minimal", "prepared") if "prepared" in pairs[0] else ("jdp", "minimal")
+    return {**{loop: [p[loop] for p in pairs] for loop in loops},
             "input_wait": statistics.median(p["input_wait"] for p in pairs),
-            **{key: pairs[-1][key] for key in ("jdp_loss", "minimal_loss", "workload")}}
+            **{key: pairs[-1][key] for loop in loops for key in (f"{loop}_loss",)},
+            "workload": pairs[-1]["workload"]}
 
 
 def _pairs_in_child(args, backend: str, devices: int, cache_dir: str, first: int,
@@ -135,7 +164,8 @@ def _pairs_in_child(args, backend: str, devices: int, cache_dir: str, first: int
     argv = [sys.executable, "-m", "jdp.bench.overhead", _CHILD_FLAG, f"--backend={backend}",
             f"--cache_dir={cache_dir}", f"--config={os.path.abspath(args.config)}",
             f"--model={args.model}", f"--steps={args.steps}", f"--log_every={args.log_every}",
-            f"--first_pair={first}", f"--pairs={count}"]
+            f"--first_pair={first}", f"--pairs={count}",
+            *(["--prepared_input"] if args.prepared_input else [])]
     proc = subprocess.run(argv, capture_output=True, text=True, env=cpu_child_env(devices))
     if proc.returncode != 0:
         raise RuntimeError(f"the measuring process ({backend}, {devices} devices, pairs "
@@ -303,9 +333,46 @@ def _minimal_run(loop, batches: list[dict], warmup_steps: int, batch_size: int):
     return batch_size * (len(batches) - warmup_steps) / seconds, losses
 
 
+def _order(pair: int, prepared_input: bool) -> tuple[str, ...]:
+    """The loops of pair `pair` in the order they run: `pair_order`'s, and the prepared
+    run last in even pairs and first in odd ones, so that each side of both ratios runs
+    first as often and the minimal loop always between jdp's two."""
+    order = pair_order(pair)
+    if not prepared_input:
+        return order
+    return (*order, "prepared") if pair % 2 == 0 else ("prepared", *order)
+
+
+class _PreparedTrain:
+    """A training split (`jdp.data.splits.TrainSplit`) whose global batches were prepared
+    beforehand: what the minimal loop is fed, for jdp's loop without its input's work."""
+
+    def __init__(self, batches: list[dict]):
+        self._batches = batches
+
+    def batches(self, *, global_batch_size: int, rows: slice, start_step: int,
+                num_steps: int):
+        for batch in self._batches[start_step:start_step + num_steps]:
+            assert len(next(iter(batch.values()))) == global_batch_size
+            yield {key: value[rows] for key, value in batch.items()}
+
+
+@contextlib.contextmanager
+def _train_split_replaced_by(batches: list[dict]):
+    """jdp's loop, while in the block, opens `batches` as its training split."""
+    from jdp.data import splits
+
+    opened = splits.open_train
+    splits.open_train = lambda data, **options: _PreparedTrain(batches)
+    try:
+        yield
+    finally:
+        splits.open_train = opened
+
+
 def _child(argv: list[str]) -> None:
     """Pairs `--first_pair` to `--first_pair + --pairs - 1` of jdp and the minimal loop,
-    each in `pair_order(pair)` and loading both loops' programs anew; prints the pairs'
+    each in `_order(pair, ...)` and loading the loops' programs anew; prints the pairs'
     examples/s as a JSON list."""
     parser = argparse.ArgumentParser()
     parser.add_argument(_CHILD_FLAG, action="store_true")
@@ -329,10 +396,14 @@ def _child(argv: list[str]) -> None:
     pairs = []
     for pair in range(args.first_pair, args.first_pair + args.pairs):
         outcome = {"workload": workload}
-        for name in pair_order(pair):
+        for name in _order(pair, args.prepared_input):
             if name == "jdp":  # jdp.main.run builds and loads its step anew
                 outcome["jdp"], outcome["input_wait"], outcome["jdp_loss"] = _jdp_run(
                     config, args.config)
+            elif name == "prepared":
+                with _train_split_replaced_by(batches):
+                    outcome["prepared"], _, outcome["prepared_loss"] = _jdp_run(
+                        config, args.config)
             else:  # new jitted functions: loaded anew
                 outcome["minimal"], losses = _minimal_run(make_loop(built, tx, config.seed),
                                                           batches, args.log_every,
