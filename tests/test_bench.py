@@ -126,3 +126,14 @@ def test_overhead_splits_its_pairs_over_processes_in_pair_order(monkeypatch):
     assert started == [(0, 3), (3, 3), (6, 1)]
     assert measured["jdp"] == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0]
     assert measured["minimal"] == [1.0] * 7
+
+
+def test_overhead_measures_the_input_share_pair_by_pair():
+    """The input pipeline's share is the median over pairs of (prepared - jdp) / minimal,
+    not the difference of medians, which slow spells in different pairs can even turn
+    negative."""
+    from jdp.bench import overhead
+
+    measured = {"jdp": [10.0, 5.0, 9.0], "prepared": [10.5, 5.5, 9.0],
+                "minimal": [10.0, 10.0, 9.0]}
+    assert overhead._input_share(measured) == pytest.approx(0.05)  # of 0.05, 0.05, 0

@@ -123,7 +123,16 @@ def _describe(measured: dict) -> str:
             f"{_rounded(measured['prepared'])}; last window's loss "
             f"{measured['prepared_loss']:.4f}): ratio {prepared / minimal:.3f} (median of "
             f"the pairs' ratios {_paired(measured, 'prepared'):.3f}), the input pipeline's "
-            f"share {(prepared - jdp) / minimal:.3f}")
+            f"share {_input_share(measured):.3f}")
+
+
+def _input_share(measured: dict) -> float:
+    """What jdp's input pipeline costs, as a fraction of the minimal loop's examples/s:
+    the median over pairs of (prepared - jdp) / minimal, each pair back to back (the
+    medians of the three loops, each over its own slow spells, can even give it the
+    wrong sign)."""
+    return statistics.median((prepared - jdp) / minimal for jdp, prepared, minimal in zip(
+        measured["jdp"], measured["prepared"], measured["minimal"], strict=True))
 
 
 def _paired(measured: dict, loop: str) -> float:
