@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -284,10 +285,17 @@ def test_a_failed_process_names_the_processes_that_did_not_fail_with_it(
 
     monkeypatch.setattr(watchdog, "exit_now", exit_now)
     monkeypatch.setattr(distributed, "job_state", lambda: _FailingJob(0, 4, failed))
+    threads_before = set(threading.enumerate())
     with pytest.raises(SystemExit), distributed.ending_promptly_on_failure():
         raise RuntimeError("Gloo all-reduce failed: Connection closed by peer")
     [(message, code)] = exits
     assert code == 1
+    # The backstop against a hung coordinator must not outlive the wait it guards: it
+    # would end the process 20 s later (here: a pytest worker) whatever it was doing.
+    started = set(threading.enumerate()) - threads_before
+    for thread in started:
+        thread.join(timeout=5)
+    assert not [thread for thread in started if thread.is_alive()]
     if named is None:
         assert message == ""
     else:

@@ -318,6 +318,10 @@ def _exit_after_failure(state, exit_code: int) -> NoReturn:
     except jax.errors.JaxRuntimeError:
         message = f"jdp: process {me} of {count} failed; {_who_did_not_fail(client, me, count)}; "
         message += f"exiting with status {exit_code} without waiting for them"
+    finally:
+        # It guards the calls above only: left running, it would end whatever this
+        # process went on to do (where exit_now returns: a test's stand-in).
+        backstop.cancel()
     watchdog.exit_now(message, exit_code)
 
 
