@@ -163,7 +163,7 @@ def _measure_in_children(args, backend: str, devices: int, cache_dir: str) -> di
     loops = ("jdp", "minimal", "prepared") if "prepared" in pairs[0] else ("jdp", "minimal")
     return {**{loop: [p[loop] for p in pairs] for loop in loops},
             "input_wait": statistics.median(p["input_wait"] for p in pairs),
-            **{key: pairs[-1][key] for loop in loops for key in (f"{loop}_loss",)},
+            **{f"{loop}_loss": pairs[-1][f"{loop}_loss"] for loop in loops},
             "workload": pairs[-1]["workload"]}
 
 

@@ -129,7 +129,7 @@ def _out_of_shared_memory(batch: Batch) -> Batch:
     array that nothing can free under the device transfer or leak at exit. Each segment
     is unlinked here, once copied, rather than by grain's deletion: that runs later in a
     thread pool, which closes the segment's file first and, when the close fails (seen:
-    EBADF while the workers start, about one pipeline in 20), never unlinks it, silently,
+    EBADF while the workers start, about one pipeline in 15), never unlinks it, silently,
     so it stays in /dev/shm until the resource tracker removes it at exit."""
     copied = {key: np.array(value) for key, value in batch.items()}
     for value in batch.values():
