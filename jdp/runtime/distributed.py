@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import NoReturn
 
 import jax
@@ -208,12 +208,8 @@ def initialize(
     # backend starts, and it is ignored by the GPU and TPU backends.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     deadline = time.monotonic() + timeout_s
-    give_up = threading.Timer(
-        timeout_s, lambda: watchdog.exit_now(_join_failure(launch, timeout_s))
-    )
-    give_up.daemon = True
-    give_up.start()
-    try:
+    with _ended_unless_done_within(timeout_s, lambda: _join_failure(launch, timeout_s),
+                                   watchdog.EXIT_CODE):
         jax.distributed.initialize(
             launch.coordinator_address,
             launch.num_processes,
@@ -228,8 +224,6 @@ def initialize(
             shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S,
             coordinator_bind_address=loopback_bind_address(launch.coordinator_address),
         )
-    finally:
-        give_up.cancel()
     state = jax_compat.distributed_state()
     logger.info(
         "Joined the job as process %d of %d via coordinator %s (%s).",
@@ -306,23 +300,33 @@ def _exit_after_failure(state, exit_code: int) -> NoReturn:
     client, me, count = state.client, state.process_id, state.num_processes
     # A coordinator that hangs (rather than dies, which ends this process) must not hold
     # it here either.
-    backstop = threading.Timer(FAILED_EXIT_WAIT_S + 10, lambda: watchdog.exit_now(
-        f"jdp: process {me} of {count} failed and the coordinator did not answer within "
-        f"{FAILED_EXIT_WAIT_S + 10} s; exiting with status {exit_code}", exit_code))
-    backstop.daemon = True
-    backstop.start()
-    try:
-        client.key_value_set(f"{_FAILED_KEY_DIR}{me}", "1", allow_overwrite=True)
-        client.wait_at_barrier("jdp/failed", FAILED_EXIT_WAIT_S * 1000)
-        message = ""
-    except jax.errors.JaxRuntimeError:
-        message = f"jdp: process {me} of {count} failed; {_who_did_not_fail(client, me, count)}; "
-        message += f"exiting with status {exit_code} without waiting for them"
-    finally:
-        # It guards the calls above only: left running, it would end whatever this
-        # process went on to do (where exit_now returns: a test's stand-in).
-        backstop.cancel()
+    hung = (f"jdp: process {me} of {count} failed and the coordinator did not answer within "
+            f"{FAILED_EXIT_WAIT_S + 10} s; exiting with status {exit_code}")
+    with _ended_unless_done_within(FAILED_EXIT_WAIT_S + 10, lambda: hung, exit_code):
+        try:
+            client.key_value_set(f"{_FAILED_KEY_DIR}{me}", "1", allow_overwrite=True)
+            client.wait_at_barrier("jdp/failed", FAILED_EXIT_WAIT_S * 1000)
+            message = ""
+        except jax.errors.JaxRuntimeError:
+            message = (f"jdp: process {me} of {count} failed; "
+                       f"{_who_did_not_fail(client, me, count)}; exiting with status "
+                       f"{exit_code} without waiting for them")
     watchdog.exit_now(message, exit_code)
+
+
+@contextlib.contextmanager
+def _ended_unless_done_within(seconds: float, message: Callable[[], str],
+                              exit_code: int) -> Iterator[None]:
+    """Ends the process (`watchdog.exit_now(message(), exit_code)`) if the block is still
+    running after `seconds`: for calls into jax.distributed that may block without a
+    bound. Once the block is left the timer is off, whatever the process does next."""
+    timer = threading.Timer(seconds, lambda: watchdog.exit_now(message(), exit_code))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 # Where each failed process records its failure, so that one giving up on the others can
