@@ -19,7 +19,7 @@ from ml_collections import config_flags
 
 import jdp
 from jdp import config as config_lib
-from jdp.config import tuned
+from jdp.config import paths, tuned
 from jdp.errors import ConfigError
 from jdp.experiment import loader
 from jdp.runtime import compile_cache, distributed, exit_codes, gpu_flags, storage
@@ -94,6 +94,10 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
     from jdp.experiment import components as components_lib
     from jdp.train import loop
 
+    # Paths enter here: relative ones are made absolute once, so a run behaves the same from
+    # any directory and nothing below sees a relative path.
+    workdir = paths.absolute(workdir)
+    paths.make_absolute(config)
     applied = tuned.apply(config)  # --config.tune=FILE: a saved jdp.tune result
     if applied:
         logging.info("applied %s: %s", config.tune, applied)

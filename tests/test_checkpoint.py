@@ -8,9 +8,11 @@ import contextlib
 import gc
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -31,6 +33,7 @@ from jdp.checkpoint import (
     Checkpointer,
     CheckpointError,
     CheckpointSaveError,
+    DamagedCheckpointError,
     load_arrays,
     load_params,
 )
@@ -543,7 +546,7 @@ def test_restore_of_a_damaged_checkpoint_names_it(open_checkpointer, ckpt_dir, d
     damage(item_dir)
     checkpointer = open_checkpointer()
     assert checkpointer.latest_step() == 7  # it claims to be complete
-    with pytest.raises(CheckpointError, match="cannot be read") as error:
+    with pytest.raises(DamagedCheckpointError, match="is damaged") as error:
         checkpointer.restore(7, abstract(state, replicated(mesh_of(8))))
     message = str(error.value)
     assert str(item_dir) in message and f"move {item_dir.parent} aside" in message
@@ -636,9 +639,68 @@ def test_load_params_into_a_different_model_names_paths_and_shapes(open_checkpoi
 def test_load_params_of_a_damaged_checkpoint_names_it(open_checkpointer, ckpt_dir):
     save_one_checkpoint(open_checkpointer)
     truncate_array_data(ckpt_dir / "7" / "default")
-    with pytest.raises(CheckpointError, match="cannot be read") as error:
+    with pytest.raises(DamagedCheckpointError, match="is damaged") as error:
         load_params(ckpt_dir, abstract(make_params(), replicated(mesh_of(8))))
     assert str(ckpt_dir / "7" / "default") in str(error.value)
+
+
+@contextlib.contextmanager
+def as_unprivileged_user():
+    """Reads made inside run as an ordinary user (root reads any file, whatever its mode)."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.setegid(65534)
+    os.seteuid(65534)  # nobody; the saved uid stays root, so it can be taken back
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
+def write_garbage(item_dir: Path) -> None:
+    for name in ("_METADATA", "manifest.ocdbt"):
+        (item_dir / name).write_bytes(b"this is not an Orbax checkpoint\n" * 4)
+
+
+@pytest.mark.usefixtures("abandoned_reads")
+@pytest.mark.parametrize("failure", ["missing_path", "permission_denied", "truncated_file",
+                                     "wrong_format"])
+def test_only_a_checkpoint_whose_own_files_fail_is_called_damaged(failure):
+    # Under a directory every user may enter, so that an unprivileged reader gets as far
+    # as the checkpoint's own files.
+    root = Path(tempfile.mkdtemp(prefix="jdp-ckpt-access-"))
+    try:
+        root.chmod(0o755)
+        ckpt_dir = root / "checkpoints"
+        checkpointer = Checkpointer(ckpt_dir, every_steps=1, max_to_keep=None)
+        checkpointer.save(7, placed(make_state(), replicated(mesh_of(8))))
+        checkpointer.close()
+        for path in [ckpt_dir, *ckpt_dir.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        item_dir = ckpt_dir / "7" / "default"
+        target = ckpt_dir
+        if failure == "missing_path":
+            target = root / "no_such_run" / "checkpoints" / "7"
+        elif failure == "permission_denied":
+            (item_dir / "_METADATA").chmod(0o000)
+        elif failure == "truncated_file":
+            truncate_array_data(item_dir)
+        else:
+            write_garbage(item_dir)
+        with as_unprivileged_user(), pytest.raises(CheckpointError) as error:
+            load_params(target, abstract(make_params(), replicated(mesh_of(8))))
+        message = str(error.value)
+        damaged = isinstance(error.value, DamagedCheckpointError)
+        assert damaged == (failure in ("truncated_file", "wrong_format")), message
+        assert ("aside" in message) == damaged, message  # no advice to move what is readable
+        assert "\n" not in message
+        expected = {"missing_path": "does not exist", "permission_denied": "permission denied",
+                    "truncated_file": "is damaged", "wrong_format": "is damaged"}[failure]
+        assert expected in message
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 # --- preemption ----------------------------------------------------------------------

@@ -11,6 +11,7 @@ from orbax.checkpoint.checkpoint_manager import DEFAULT_ITEM_NAME
 
 from jdp.checkpoint import layout, packing
 from jdp.checkpoint.layout import CheckpointError, PyTree
+from jdp.runtime import storage
 
 
 def load_params(path: str | os.PathLike, abstract_params: PyTree) -> PyTree:
@@ -19,7 +20,7 @@ def load_params(path: str | os.PathLike, abstract_params: PyTree) -> PyTree:
     `path` is a checkpoint directory (its newest complete step is used) or one step
     directory in it. Names and shapes must match the model's exactly.
     """
-    item_dir = _params_item_dir(epath.Path(path))
+    item_dir = _params_item_dir(epath.Path(storage.absolute(path)))  # Orbax wants it absolute
     shapes, index = layout.saved_layout(item_dir)
     saved = {name: shape for name, shape in shapes.items() if name.startswith("params/")}
     target = {"params": abstract_params}

@@ -27,6 +27,7 @@ import matplotlib
 matplotlib.use("Agg")  # before pyplot: reports are made on machines without a display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from jdp.config import paths  # noqa: E402
 from jdp.observe import trace_phases  # noqa: E402
 from jdp.observe.writers import metrics_lines  # noqa: E402
 from jdp.runtime import storage  # noqa: E402
@@ -324,6 +325,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--names", nargs="+", metavar="NAME",
                         help="one name per workdir (default: the workdirs' base names)")
     args = parser.parse_args(argv)
+    args.workdirs = [paths.absolute(workdir) for workdir in args.workdirs]
+    if args.out:
+        args.out = paths.absolute(args.out)
     if args.names is not None and len(args.names) != len(args.workdirs):
         parser.error(f"--names has {len(args.names)} names for {len(args.workdirs)} "
                      "workdirs; give one name per workdir")

@@ -22,6 +22,7 @@ import jax
 from absl import app, flags
 
 from jdp import main as jdp_main
+from jdp.config import paths
 from jdp.dryrun.estimate import PlanError
 from jdp.errors import ConfigError
 from jdp.runtime import distributed
@@ -76,7 +77,7 @@ def main(argv) -> None:
     print(f"winner #{outcome.winner.candidate.index}: "
           f"{result.command_line(outcome.winner.candidate.overrides)}")
     if jax.process_index() == 0:  # the only writer
-        path = os.path.join(flags.FLAGS.workdir, result.TUNE_FILE)
+        path = os.path.join(paths.absolute(flags.FLAGS.workdir), result.TUNE_FILE)
         print(f"wrote {path}; train with it: python -m jdp.main --config=... --workdir=... "
               f"--config.tune={path}")
     sys.stdout.flush()

@@ -22,7 +22,7 @@ from absl import logging
 
 from jdp import config as config_lib
 from jdp import main as jdp_main
-from jdp.config import tuned
+from jdp.config import paths, tuned
 from jdp.config.checks import get
 from jdp.data import splits, streamed
 from jdp.errors import ConfigError, first_line
@@ -239,6 +239,8 @@ def tune(config, config_path: str, workdir: str, options: Options = Options(), *
     fastest configuration of `config` that fits; writes the table and tune.json into
     `workdir`. Raises NothingFits (a ConfigError, after writing the table) when nothing
     fits."""
+    workdir = paths.absolute(workdir)
+    paths.make_absolute(config)
     _check(config, workdir, options)
     device_count = jax.device_count() if devices is None else len(devices)
     config_lib.validate(config, device_count, jax.process_count())
