@@ -8,6 +8,7 @@ Nothing is written to the workdir until the config has been validated.
 
 from __future__ import annotations
 
+import difflib
 import gc
 import json
 import os
@@ -171,11 +172,36 @@ def _parse_flags(argv: list[str], known_flags=_JDP_FLAGS) -> list[str]:
         column = f", column {e.offset}" if e.offset else ""
         fail(f"--config={e.filename!r}: {e.msg} at line {e.lineno}{column}. Fix: correct the "
              "experiment file's Python syntax there.")
-    except AttributeError as e:  # ConfigDict: an override naming no existing field
-        name, _, hint = str(e).strip("'").replace("\\'", "'").partition("\\n")
-        fail(f"unknown config field {name} in a --config override. {hint} Fix: override only "
-             "fields that the experiment's config defines (listed in <workdir>/config.json).")
+    except (AttributeError, KeyError) as e:  # an override naming no field of the config
+        fail(_unknown_override(argv) or f"a --config override names no config field ({e}). "
+             "Fix: override only fields that the experiment's config defines (listed in "
+             "<workdir>/config.json).")
     return []
+
+
+def _unknown_override(argv: list[str]) -> str | None:
+    """The one-line error for the first `--config.KEY` override whose KEY the experiment's
+    config lacks (at any depth), with the closest keys it has; None if every key exists."""
+    given = [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
+    given += [after for arg, after in zip(argv, argv[1:], strict=False) if arg == "--config"]
+    if not given:
+        return None
+    known = config_lib.flatten(json.loads(load_config(given[-1]).to_json_best_effort()))
+    sections = {key.rsplit(".", i)[0] for key in known for i in range(1, key.count(".") + 1)}
+    for arg in argv:
+        if not arg.startswith("--config."):
+            continue
+        key = arg[len("--config."):].split("=", 1)[0]
+        if key in known or key in sections:
+            continue
+        leaf = next((key[:i] for i in range(len(key)) if key[i] == "." and key[:i] in known),
+                    None)
+        where = (f"{leaf} is a value, not a section" if leaf else
+                 "closest known keys: " + (", ".join(difflib.get_close_matches(
+                     key, list(known), n=3, cutoff=0.6)) or "none"))
+        return (f"unknown config key {key} (in {arg}); {where}. Fix: override only keys the "
+                "experiment's config defines (listed in <workdir>/config.json).")
+    return None
 
 
 def start_up(argv) -> str:

@@ -162,11 +162,11 @@ def test_the_resolved_config_records_the_tune_file_and_its_values(searched, tune
 def test_a_result_tuned_for_another_config_is_refused_in_one_line(searched):
     _, _, workdir = searched
     path = workdir / result.TUNE_FILE
-    config = load_config(VIT, *TINY, "--config.learning_rate=0.01", f"--config.tune={path}")
+    config = load_config(VIT, *TINY, "--config.grad_clip_norm=1.0", f"--config.tune={path}")
     with pytest.raises(ConfigError) as error:
         jdp_main.run(config, VIT, "/nonexistent/never-written")
     assert "\n" not in str(error.value)
-    assert ("learning_rate is 0.01 here but was 0.003 when tuned. Fix: rerun python -m "
+    assert ("grad_clip_norm is 1.0 here but was 0.0 when tuned. Fix: rerun python -m "
             "jdp.tune") in str(error.value)
 
 
@@ -264,6 +264,28 @@ def test_two_processes_agree_on_the_winner_and_only_process_0_writes(tmp_path):
     saved = json.loads((workdir / result.TUNE_FILE).read_text())
     assert winners[0].endswith(saved["winner"]["command_line"])
     assert sorted(os.listdir(workdir)) == sorted([result.TABLE_FILE, result.TUNE_FILE])
+
+
+def test_a_result_applies_at_another_seed_learning_rate_and_split(searched):
+    outcome, _, workdir = searched
+    config = load_config(VIT, *TINY, "--config.seed=17", "--config.learning_rate=0.01",
+                         "--config.data.train_split=train[:50%]",
+                         f"--config.tune={workdir / result.TUNE_FILE}")
+    assert tuned.apply(config) == outcome.winner.candidate.overrides
+
+
+def test_a_text_result_binds_to_the_model_and_batch_not_to_the_corpus():
+    gpt = "experiments/gpt.py"
+    base = tuned.fixed_part(load_config(gpt), ["remat"])
+    other_corpus = tuned.fixed_part(load_config(
+        gpt, "--config.data.text_files=/data/**/*.md", "--config.data.eval_fraction=0.2",
+        "--config.data.eval_text_files=/data/held_out.txt", "--config.seed=17",
+        "--config.data.token_dir=/data/tokens"), ["remat"])
+    assert tuned.fingerprint(other_corpus) == tuned.fingerprint(base)
+    for changed in ("--config.model.size=small", "--config.batch_size=64",
+                    "--config.data.seq_len=64", "--config.data.tokenizer=bytes"):
+        assert tuned.fingerprint(tuned.fixed_part(load_config(gpt, changed), ["remat"])) != \
+            tuned.fingerprint(base), changed
 
 
 def test_a_result_still_applies_to_a_longer_run_with_other_logging_and_saving(searched):

@@ -5,8 +5,8 @@
 
 from jdp.config.batch import BatchSplit, batch_split, scaled_learning_rate
 from jdp.config.defaults import defaults
-from jdp.config.resume import RESUMABLE_CHANGES, resume_differences
+from jdp.config.resume import RESUMABLE_CHANGES, flatten, resume_differences
 from jdp.config.validate import validate
 
-__all__ = ["RESUMABLE_CHANGES", "BatchSplit", "batch_split", "defaults", "resume_differences",
-           "scaled_learning_rate", "validate"]
+__all__ = ["RESUMABLE_CHANGES", "BatchSplit", "batch_split", "defaults", "flatten",
+           "resume_differences", "scaled_learning_rate", "validate"]

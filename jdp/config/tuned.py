@@ -14,13 +14,22 @@ import json
 from jdp.config.resume import flatten
 from jdp.errors import ConfigError
 
-# Fields a tuned result does not depend on, so they may differ from the tuned config: how
-# long the run is and its warm-up, how it is logged, evaluated, checked and saved, where
-# its files live. The tuner times the train step only; none of these changes it.
+# Fields a tuned result does not depend on, so they may differ from the tuned config. The
+# tuner times the train step; none of these changes its shapes or its program's work:
+# - how long the run is and its warm-up, how it is logged, evaluated, checked and saved;
+# - where its files live, and which examples it reads (the seed, the text files and the
+#   held-out fraction, data paths and splits: the same shapes from another corpus);
+# - how the host prepares batches (threads, worker processes, in memory or streamed);
+# - the learning rate's value and scaling (a number the step reads, not a shape).
+# The tokenizer, model, batch, dtypes and every parallel setting stay bound.
 UNBOUND = ("total_steps", "warmup_steps", "log_every_steps", "eval_every_steps",
            "eval_batch_size", "crash_on_nan", "skip_nonfinite_steps", "tensorboard",
-           "profile", "watchdog_timeout_s", "checkpoint", "data.data_dir", "data.token_dir",
-           "data.rebuild_tokens", "compile_cache_dir", "tune")
+           "profile", "watchdog_timeout_s", "checkpoint", "compile_cache_dir", "tune",
+           "seed", "learning_rate", "lr_scaling", "base_batch_size",
+           "data.data_dir", "data.token_dir", "data.rebuild_tokens", "data.text_files",
+           "data.eval_text_files", "data.eval_fraction", "data.train_files", "data.eval_files",
+           "data.train_split", "data.eval_split", "data.num_threads", "data.num_workers",
+           "data.in_memory")
 
 
 def _unbound(key: str) -> bool:
