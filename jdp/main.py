@@ -256,8 +256,12 @@ def main(argv) -> None:
         except NonFiniteError as e:
             fail(str(e), exit_codes.NONFINITE)
         except Preempted as e:
-            logging.info("%s", e)
+            print(f"jdp: {e}", file=sys.stderr, flush=True)
             sys.exit(exit_codes.PREEMPTED)
+        except KeyboardInterrupt:  # Ctrl-C before the loop could save anything
+            print("jdp: interrupted before training started; nothing was saved",
+                  file=sys.stderr, flush=True)
+            sys.exit(exit_codes.INTERRUPTED)
     if not _DRY_RUN.value:
         logging.info("final evaluation: %s", json.dumps(result.eval_metrics))
 

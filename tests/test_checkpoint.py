@@ -718,6 +718,91 @@ def test_sigterm_reaches_the_preemption_point_in_a_single_process():
     assert signal.getsignal(signal.SIGTERM) is handler_before
 
 
+def test_ctrl_c_is_a_notice_like_sigterm_and_leaves_the_handlers_as_they_were():
+    from jdp.runtime.preemption import PreemptionNotice
+
+    handler_before = signal.getsignal(signal.SIGINT)
+    notice = PreemptionNotice()
+    assert not notice.reached(1)
+    os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt: a notice instead
+    assert notice.reached(2) and notice.interrupted
+    notice.close()
+    assert signal.getsignal(signal.SIGINT) is handler_before
+
+
+def test_a_second_ctrl_c_exits_at_once_with_status_130():
+    code = textwrap.dedent("""
+        import os, signal, sys, time
+        from jdp.runtime.preemption import PreemptionNotice
+        notice = PreemptionNotice()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert notice.reached(1)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)  # never reached: the second Ctrl-C ends the process
+        sys.exit(5)
+        """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("jdp: interrupted again")
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_wall_time_saves_are_due_at_checked_steps_once_the_time_has_passed():
+    from jdp.checkpoint.checkpointer import WallTimeCadence
+
+    clock, asked = FakeClock(), []
+
+    def agree(key, decision):
+        asked.append(key)
+        return decision
+
+    cadence = WallTimeCadence(2.0, check_every_steps=5, clock=clock, agree=agree)
+    assert not cadence.due(1)  # the clock starts at the first step
+    clock.now += 119
+    assert [cadence.due(step) for step in (2, 5)] == [False, False]  # 119 s < 120 s
+    clock.now += 1
+    assert not cadence.due(7)  # not a checked step
+    assert cadence.due(10)
+    assert asked == ["jdp/checkpoint/time/5", "jdp/checkpoint/time/10"]  # checked steps only
+    cadence.saved()
+    clock.now += 60
+    assert not cadence.due(15)
+    clock.now += 60
+    assert cadence.due(20)
+    assert not WallTimeCadence(0.0, 1, clock=clock, agree=agree).due(5)  # 0: off
+
+
+def test_the_checkpointer_saves_when_the_wall_time_cadence_says_so(ckpt_dir):
+    from jdp.checkpoint.checkpointer import WallTimeCadence
+
+    clock = FakeClock()
+    cadence = WallTimeCadence(1.0, check_every_steps=1, clock=clock,
+                              agree=lambda key, decision: decision)
+    checkpointer = Checkpointer(ckpt_dir, every_steps=0, max_to_keep=None, wall_time=cadence)
+    state = placed(make_state(), replicated(mesh_of(8)))
+    try:
+        assert not checkpointer.save(1, state)
+        clock.now += 61
+        assert checkpointer.save(2, state)
+        assert not checkpointer.save(3, state)  # the clock restarted at the save
+        clock.now += 30
+        assert checkpointer.save(4, state, force=True)  # any save restarts it
+        clock.now += 45
+        assert not checkpointer.save(5, state)
+        assert checkpointer.latest_step() == 4
+    finally:
+        checkpointer.close()
+
+
 # --- several processes ---------------------------------------------------------------
 
 TWO_PROCESS_WORKER = textwrap.dedent(

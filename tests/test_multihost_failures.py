@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 VIT = "experiments/vit.py"
 
 
-def start_processes(workdir, per_process_args, devices_per_process=4):
+def start_processes(workdir, per_process_args, devices_per_process=4, experiment=VIT):
     port = free_port()
     children = []
     for index, extra in enumerate(per_process_args):
@@ -42,7 +42,7 @@ def start_processes(workdir, per_process_args, devices_per_process=4):
                        JDP_NUM_PROCESSES=str(len(per_process_args)), JDP_PROCESS_ID=str(index))
         log = open(workdir / f"p{index}.log", "w")
         children.append(subprocess.Popen(
-            [sys.executable, "-m", "jdp.main", f"--config={VIT}", f"--workdir={workdir}",
+            [sys.executable, "-m", "jdp.main", f"--config={experiment}", f"--workdir={workdir}",
              *extra], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
     return children
 
@@ -185,6 +185,52 @@ def test_a_killed_process_is_restarted_and_the_run_ends_as_if_uninterrupted(two_
     expected = checkpoint_arrays(two_processes, 12)
     got = checkpoint_arrays(workdir, 12)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+SLOW_STEPS = """
+import importlib.util
+import time
+
+from jdp.hooks import Hook
+
+_spec = importlib.util.spec_from_file_location("shipped_vit", {vit!r})
+_vit = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_vit)
+get_config, build_model = _vit.get_config, _vit.build_model
+
+
+def build_hooks(config):
+    return [Hook(lambda step, info: time.sleep(0.5), every=1)]
+"""
+
+
+def test_ctrl_c_to_one_process_saves_on_both_and_the_rerun_ends_bitwise_as_uninterrupted(
+        two_processes, tmp_path):
+    workdir = tmp_path
+    slow = tmp_path / "slow_vit.py"  # the same training, its steps slowed by a hook
+    slow.write_text(SLOW_STEPS.format(vit=os.path.join(REPO, VIT)))
+    children = start_processes(workdir, [RESTARTED] * 2, experiment=slow)
+    try:
+        wait_for_step(5, workdir, children)
+        children[1].send_signal(signal.SIGINT)  # as Ctrl-C in that process's terminal
+        codes = [child.wait(timeout=120) for child in children]
+    finally:
+        stop_all(children)
+    logs = [(workdir / f"p{i}.log").read_text() for i in range(2)]
+    assert codes == [exit_codes.PREEMPTED] * 2, [log[-2000:] for log in logs]
+    assert "Traceback" not in logs[1]
+    stopped = max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert 5 <= stopped < 12
+    assert f"interrupted (Ctrl-C): saved a checkpoint at step {stopped}" in logs[1]
+    assert f"saved a checkpoint at step {stopped}" in logs[0]  # the same step on both
+    rerun = run_two_processes(main_command(f"--config={VIT}", f"--workdir={workdir}",
+                                           *RESTARTED), timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    train_steps = [r["step"] for r in read_metrics(workdir) if "train/loss" in r]
+    assert train_steps == list(range(1, 13))  # each step once, none lost
+    for a, b in zip(jax.tree.leaves(checkpoint_arrays(workdir, 12)),
+                    jax.tree.leaves(checkpoint_arrays(two_processes, 12)), strict=True):
         np.testing.assert_array_equal(a, b)
 
 

@@ -6,6 +6,9 @@ import json
 import shutil
 import signal
 import subprocess
+import sys
+import textwrap
+import time
 
 import jax
 import numpy as np
@@ -13,10 +16,12 @@ import pytest
 
 from jdp.runtime import exit_codes
 from runs import (
+    REPO,
     checkpoint_arrays,
     load_config,
     logged_steps,
     losses,
+    main_env,
     read_metrics,
     run_main,
     start_main,
@@ -86,6 +91,125 @@ def test_sigterm_saves_where_it_is_and_exits_76_then_resumes(reference, tmp_path
     rerun = run_main(*RUN, f"--workdir={workdir}")
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert_same_losses_and_no_duplicates(workdir, reference)
+    assert_bitwise_equal(checkpoint_arrays(workdir, 40), checkpoint_arrays(reference, 40))
+
+
+def logged_windows(workdir, log_every_steps: int) -> list[int]:
+    """Every step that the train records' windows cover, in order (a window cut short
+    says how many steps it has: train/window_steps)."""
+    covered = []
+    for record in read_metrics(workdir):
+        if "train/loss" in record:
+            steps = int(record.get("train/window_steps", log_every_steps))
+            covered += range(record["step"] - steps + 1, record["step"] + 1)
+    return covered
+
+
+def saved_steps(workdir) -> list[int]:
+    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def test_ctrl_c_saves_where_it_is_exits_76_in_one_line_and_no_step_goes_unlogged(reference,
+                                                                                 tmp_path):
+    workdir = tmp_path / "run"
+    proc = start_main(*RUN, "--config.log_every_steps=3", f"--workdir={workdir}",
+                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: max(logged_steps(workdir), default=0) >= 6, 240, "step 6")
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == exit_codes.PREEMPTED, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    stopped = saved_steps(workdir)[-1]
+    assert 6 <= stopped < 40
+    assert stderr.strip().splitlines()[-1] == (
+        f"jdp: interrupted (Ctrl-C): saved a checkpoint at step {stopped}; rerun the same "
+        "command to resume")
+    # The window the stop cut short is reported at the stop, so the resumed run's first
+    # window starts right after it.
+    assert max(logged_steps(workdir)) == stopped
+    rerun = run_main(*RUN, "--config.log_every_steps=3", f"--workdir={workdir}")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert logged_windows(workdir, 3) == list(range(1, 41))  # every step once
+    assert_bitwise_equal(checkpoint_arrays(workdir, 40), checkpoint_arrays(reference, 40))
+
+
+SLOW_STOPPING_SAVE = """
+    import time
+    from jdp.train import actions
+
+    real_call = actions.Preemption.__call__
+
+    def slow(self, step, info):
+        if self.notice.reached(step):
+            time.sleep(120)  # the stop's save, on slow storage
+        return real_call(self, step, info)
+
+    actions.Preemption.__call__ = slow
+"""
+
+
+def test_a_second_ctrl_c_stops_at_once_and_the_complete_checkpoints_resume(reference,
+                                                                           tmp_path):
+    workdir = tmp_path / "run"
+    script = tmp_path / "patched_main.py"
+    script.write_text(textwrap.dedent(SLOW_STOPPING_SAVE) + textwrap.dedent("""
+        from absl import app
+        from jdp import main
+        app.run(main.main, flags_parser=main._parse_flags)
+        """))
+    args = (*RUN, "--config.checkpoint.every_steps=4", f"--workdir={workdir}")
+    with open(tmp_path / "stderr.txt", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(script), *args], cwd=REPO,
+                                env={**main_env(), "PYTHONPATH": REPO},
+                                stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        wait_for(lambda: saved_steps_if_any(workdir) and max(logged_steps(workdir),
+                                                                default=0) >= 6, 240, "step 6")
+        proc.send_signal(signal.SIGINT)
+        wait_for(lambda: "saving a checkpoint at the next step" in
+                 (tmp_path / "stderr.txt").read_text(), 60, "the first Ctrl-C's notice")
+        time.sleep(1.0)  # inside the (slow) stop
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)  # at once: not after the 120 s save
+    finally:
+        proc.kill()
+        proc.wait()
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert proc.returncode == exit_codes.INTERRUPTED, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith("jdp: interrupted again")
+    assert "Traceback" not in stderr
+    kept = saved_steps(workdir)
+    assert kept and kept[-1] % 4 == 0  # the periodic ones; the stop's save never began
+    rerun = run_main(*args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"checkpoints/{kept[-1]}" in rerun.stderr  # resumed from the newest complete one
+    assert_bitwise_equal(checkpoint_arrays(workdir, 40), checkpoint_arrays(reference, 40))
+
+
+def saved_steps_if_any(workdir) -> list[int]:
+    return saved_steps(workdir) if (workdir / "checkpoints").exists() else []
+
+
+def test_a_run_killed_after_a_wall_time_save_resumes_from_it(reference, tmp_path):
+    workdir = tmp_path / "run"
+    args = (*RUN, "--config.checkpoint.every_steps=0", "--config.checkpoint.every_minutes=0.02",
+            "--config.log_every_steps=2", f"--workdir={workdir}")
+    proc = start_main(*args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: saved_steps_if_any(workdir), 240, "a wall-time checkpoint")
+        proc.kill()
+    finally:
+        proc.kill()
+        proc.wait()
+    saved = saved_steps(workdir)
+    assert saved[-1] < 40, "killed too late to test a resume"
+    assert all(step % 2 == 0 for step in saved)  # decided at log steps
+    rerun = run_main(*args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"checkpoints/{saved[-1]}" in rerun.stderr and "resuming from" in rerun.stderr
     assert_bitwise_equal(checkpoint_arrays(workdir, 40), checkpoint_arrays(reference, 40))
 
 

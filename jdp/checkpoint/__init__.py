@@ -9,7 +9,7 @@ may be resumed with this config, `layout` matches saved arrays against the model
 whole, for inspection).
 """
 
-from jdp.checkpoint.checkpointer import Checkpointer, check_best_metric
+from jdp.checkpoint.checkpointer import Checkpointer, WallTimeCadence, check_best_metric
 from jdp.checkpoint.init_from import load_params
 from jdp.checkpoint.layout import CheckpointError, CheckpointSaveError, DamagedCheckpointError
 from jdp.checkpoint.packing import load_arrays
@@ -17,4 +17,5 @@ from jdp.checkpoint.packing import load_arrays
 CHECKPOINT_DIR = "checkpoints"  # inside the workdir
 
 __all__ = ["CHECKPOINT_DIR", "CheckpointError", "CheckpointSaveError", "Checkpointer",
-           "DamagedCheckpointError", "check_best_metric", "load_arrays", "load_params"]
+           "DamagedCheckpointError", "WallTimeCadence", "check_best_metric", "load_arrays",
+           "load_params"]

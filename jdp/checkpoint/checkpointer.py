@@ -16,6 +16,7 @@ import dataclasses
 import operator
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 
 import jax
@@ -27,7 +28,7 @@ from orbax.checkpoint.checkpoint_manager import DEFAULT_ITEM_NAME
 from jdp.checkpoint import layout, packing
 from jdp.checkpoint.layout import CheckpointError, CheckpointSaveError, PyTree
 from jdp.errors import ConfigError, first_line
-from jdp.runtime import storage
+from jdp.runtime import distributed, storage
 
 # Orbax's replica-parallel saving splits every replicated array into one slice per
 # replica (to spread the writing over hosts) and dispatches a device slice op for
@@ -35,6 +36,38 @@ from jdp.runtime import storage
 # 0.72 s of the 0.73 s the loop stalled (a device-to-host copy of all 244 MiB takes
 # 9 ms). Arrays below this size are written whole by their first replica instead.
 _MIN_REPLICA_SLICE_BYTES = 4 * 2**20
+
+
+class WallTimeCadence:
+    """Saves every `minutes` of wall time since the last save (or the first step), decided
+    at steps that are multiples of `check_every_steps`: every process must save at the
+    same step, so process 0's clock decides for all (`agree`, through the coordination
+    service; one exchange per checked step, off the devices' path). `clock` is
+    injectable for tests."""
+
+    def __init__(self, minutes: float, check_every_steps: int, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 agree: Callable[[str, bool], bool] = distributed.leader_decides) -> None:
+        if minutes < 0:
+            raise ValueError(f"checkpoint every_minutes ({minutes}) must be >= 0 (0: off).")
+        self.seconds = 60.0 * minutes
+        self.check_every_steps = max(1, check_every_steps)
+        self._clock = clock
+        self._agree = agree
+        self._since: float | None = None  # the clock at the last save or the first check
+
+    def due(self, step: int) -> bool:
+        if self.seconds <= 0:
+            return False
+        if self._since is None:  # starts with the first step, not before the compile
+            self._since = self._clock()
+        if step % self.check_every_steps:
+            return False
+        return self._agree(f"jdp/checkpoint/time/{step}",
+                           self._clock() - self._since >= self.seconds)
+
+    def saved(self) -> None:
+        self._since = self._clock()
 
 
 class _TransferWatch:
@@ -155,6 +188,7 @@ class Checkpointer:
         async_save: bool = True,
         best_metric: str | None = None,
         best_mode: str = "max",
+        wall_time: WallTimeCadence | None = None,
     ) -> None:
         if every_steps < 0:
             raise ValueError(
@@ -168,6 +202,7 @@ class Checkpointer:
             raise ValueError(f"checkpoint best_mode ({best_mode!r}) must be 'max' or 'min'.")
         _register_array_handler()
         self._every_steps = every_steps
+        self._wall_time = wall_time
         self._best_metric = best_metric
         best_fn = None if best_metric is None else operator.itemgetter(best_metric)
         root = epath.Path(storage.absolute(directory))
@@ -203,8 +238,11 @@ class Checkpointer:
         self._starting: tuple[int, concurrent.futures.Future] | None = None
 
     def due(self, step: int) -> bool:
-        """Whether `step` is one of this checkpointer's periodic saves."""
-        return self._every_steps > 0 and step % self._every_steps == 0
+        """Whether `step` is one of this checkpointer's periodic saves (by steps, or by
+        wall time). Ask once per step: a wall-time decision is taken when asked."""
+        by_steps = self._every_steps > 0 and step % self._every_steps == 0
+        by_time = self._wall_time is not None and self._wall_time.due(step)
+        return by_steps or by_time
 
     @property
     def directory(self) -> epath.Path:
@@ -239,11 +277,13 @@ class Checkpointer:
         the background, and a failure after the copy is raised by the next call
         (`save`, `wait`, `close`).
         """
-        if not (self.due(step) or force):
+        if not (force or self.due(step)):
             return False
         self._join()
         if step in self._manager.all_steps():
             return False
+        if self._wall_time is not None:
+            self._wall_time.saved()
         if metrics is not None:
             check_best_metric(self._best_metric, metrics)
             metrics = {name: float(value) for name, value in metrics.items()}  # JSON-able

@@ -109,7 +109,10 @@ def defaults() -> ml_collections.ConfigDict:
     c.parallel.error_feedback = True
 
     c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every_steps = 0  # 0 = only at the end
+    c.checkpoint.every_steps = 0  # 0 = none by steps
+    # Also a save once this much wall time has passed since the last one (checked at log
+    # steps), so a run stopped by anything loses at most about that much; 0 = off.
+    c.checkpoint.every_minutes = 5.0
     c.checkpoint.max_to_keep = 3
     c.checkpoint["async"] = True
     c.checkpoint.init_from = ""

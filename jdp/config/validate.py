@@ -32,7 +32,8 @@ def validate(config: ml_collections.ConfigDict, device_count: int,
                   "base_batch_size", "learning_rate", "checkpoint.max_to_keep"):
         check_positive(config, field)
     for field in ("eval_every_steps", "warmup_steps", "eval_batch_size", "weight_decay",
-                  "grad_clip_norm", "checkpoint.every_steps", "watchdog_timeout_s",
+                  "grad_clip_norm", "checkpoint.every_steps", "checkpoint.every_minutes",
+                  "watchdog_timeout_s",
                   "skip_nonfinite_steps", "profile.start_step", "profile.num_steps"):
         check_positive(config, field, allow_zero=True)
     check_choice(config, "parallel.backend", BACKENDS)

@@ -19,16 +19,18 @@ def log_train(step: int, total_steps: int, metrics: dict[str, float], eta: float
         if metrics.get(key))
     rss = f"  RSS {metrics['memory/host_rss_mib']:.0f} MiB" \
         if "memory/host_rss_mib" in metrics else ""
+    window = f"  ({metrics['train/window_steps']:.0f}-step window)" \
+        if "train/window_steps" in metrics else ""
     # A language model's speed in real target tokens, anything else's in examples.
     unit = "tokens" if "train/tokens_per_s" in metrics else "examples"
     logging.info(
         "step %d/%d (%.0f%%)  loss %.4f  lr %.3g  |g| %.3g  %.0f %s/s  %.1f ms/step  "
-        "input wait %.0f%%%s%s%s  ETA %s",
+        "input wait %.0f%%%s%s%s  ETA %s%s",
         step, total_steps, 100.0 * step / total_steps, metrics["train/loss"],
         metrics.get("train/learning_rate", float("nan")),
         metrics.get("train/grad_norm", float("nan")), metrics[f"train/{unit}_per_s"], unit,
         1000 * metrics["train/step_time_s"], 100 * metrics["train/data_wait_fraction"], mfu,
-        extras, rss, format_duration(eta))
+        extras, rss, format_duration(eta), window)
 
 
 def log_eval(step: int, metrics: dict[str, float]) -> None:

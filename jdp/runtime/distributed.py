@@ -402,6 +402,21 @@ def check_same_across_processes(values: dict[str, str], *, timeout_s: float = 60
             )
 
 
+def leader_decides(key: str, decision: bool, *, timeout_s: float = 600.0) -> bool:
+    """Process 0's `decision`, on every process: for choices made from what only one
+    process can know the same way (its clock), which all must make alike (a save is a
+    collective). Process 0 publishes it under `key` (unique per decision) in the
+    coordination service; the others wait for it, while their devices run on. A single
+    process decides alone."""
+    state = job_state()
+    if state is None:
+        return decision
+    if state.process_id == 0:
+        state.client.key_value_set(key, "1" if decision else "0")
+        return decision
+    return state.client.blocking_key_value_get(key, int(timeout_s * 1000)) == "1"
+
+
 _ABSENT = object()
 
 

@@ -8,7 +8,8 @@ FAILED = 1  # an unexpected error (a traceback): it may repeat, so only a bounde
 BAD_CONFIG = 2  # a bad config, command line or input, reported before anything was written
 NONFINITE = 3  # the loss or gradients went non-finite; the last good checkpoint is kept
 PEER_LOST = 75  # another process died or stopped making progress: restart the job
-PREEMPTED = 76  # SIGTERM: a checkpoint was saved; rerun to resume
+PREEMPTED = 76  # SIGTERM or the first Ctrl-C: a checkpoint was saved; rerun to resume
+INTERRUPTED = 130  # a second Ctrl-C (128 + SIGINT): stopped at once; complete checkpoints kept
 
 # What a launcher should restart: the job was stopped from outside, not by its input.
 RESTARTABLE = frozenset({PEER_LOST, PREEMPTED})

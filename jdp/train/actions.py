@@ -69,16 +69,23 @@ class Checkpointing:
 
 
 class Preemption:
-    """After every step: once any process was told to stop, save and leave the loop."""
+    """After every step: once any process was told to stop (SIGTERM, Ctrl-C), report the
+    open metric window, save and leave the loop."""
 
-    def __init__(self, notice: PreemptionNotice, checkpointing: Checkpointing):
+    def __init__(self, notice: PreemptionNotice, checkpointing: Checkpointing,
+                 window: MetricWindow):
         self.notice = notice
         self.checkpointing = checkpointing
+        self.window = window
 
     def __call__(self, step: int, info: HookInfo) -> None:
         if self.notice.reached(step):
+            # The steps since the last report are reported now, marked partial: the
+            # resumed run starts its window at the next step, so each step's loss is
+            # logged exactly once across the stop.
+            self.window.close(step)
             self.checkpointing.save(step, info)
-            raise Preempted(step)
+            raise Preempted(step, interrupted=self.notice.interrupted)
 
 
 class Profiling:

@@ -19,7 +19,7 @@ import time
 import jax
 from absl import logging
 
-from jdp.checkpoint import CHECKPOINT_DIR, Checkpointer
+from jdp.checkpoint import CHECKPOINT_DIR, Checkpointer, WallTimeCadence
 from jdp.checkpoint.resume import initial_state
 from jdp.config import BatchSplit
 from jdp.data import prefetch, splits
@@ -93,7 +93,7 @@ class _TrainReport:
 
     def __init__(self, *, clock: throughput.WindowClock, guard: NonFiniteGuard, writer: Writer,
                  total_steps: int, device, model_flops_per_step: float | None,
-                 weight_unit: str, device_count: int):
+                 weight_unit: str, device_count: int, log_every_steps: int):
         self.clock = clock
         self.guard = guard
         self.writer = writer
@@ -103,6 +103,7 @@ class _TrainReport:
         self.model_flops_per_step = model_flops_per_step
         self.weight_unit = weight_unit  # what the loss weights count (Task.weight_unit)
         self.device_count = device_count
+        self.log_every_steps = log_every_steps
         self.flops_per_step = self.compiled_bytes = None  # known once compiled
         self.once: dict[str, float] = {}
         self.latest: tuple[int, dict] | None = None  # (window's step, values) last reported
@@ -114,6 +115,8 @@ class _TrainReport:
         del means[NONFINITE]  # counted in train/skipped_steps instead
         values = {f"train/{k}": v for k, v in means.items()}
         values["train/skipped_steps"] = float(self.guard.skipped)
+        if steps != self.log_every_steps:  # cut short: by a stop, a resume or the end
+            values["train/window_steps"] = float(steps)
         values.update(self.clock.lap(step))
         if self.weight_unit != "examples":  # e.g. real target tokens, never padding
             per_s = means[LOSS_WEIGHT] / values["train/step_time_s"]
@@ -163,6 +166,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, components:
     checkpointer = Checkpointer(
         storage.join(workdir, CHECKPOINT_DIR),  # the Checkpointer makes a local path absolute
         every_steps=config.checkpoint.every_steps, max_to_keep=config.checkpoint.max_to_keep,
+        wall_time=WallTimeCadence(config.checkpoint.every_minutes, config.log_every_steps),
         async_save=config.checkpoint["async"], best_metric=config.checkpoint.keep_best or None,
         best_mode=config.checkpoint.keep_best_mode)
     state = initial_state(backend, checkpointer, jax.random.key(config.seed),
@@ -195,7 +199,8 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, components:
     report = _TrainReport(clock=clock, guard=guard, writer=writer, total_steps=total_steps,
                           device=mesh.local_devices[0],
                           model_flops_per_step=model_flops_per_step,
-                          weight_unit=components.task.weight_unit, device_count=mesh.size)
+                          weight_unit=components.task.weight_unit, device_count=mesh.size,
+                          log_every_steps=config.log_every_steps)
     window = MetricWindow(backend.fetch, report)
 
     def run_eval(step, state) -> dict:
@@ -220,7 +225,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, components:
            actions.log_hook(window, config.log_every_steps),
            Hook(evaluation, every=config.eval_every_steps, at_end=True, name="eval"),
            Hook(checkpointing, every=1, name="checkpoint"),
-           Hook(actions.Preemption(notice, checkpointing), every=1, name="preemption")]
+           Hook(actions.Preemption(notice, checkpointing, window), every=1, name="preemption")]
     hook_list = Hooks([*own, *(hooks or [])], total_steps, users_from=len(own))
 
     def info_for(step: int, reports_before: int) -> HookInfo:
