@@ -46,7 +46,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.data.text_files = "stdlib"
     config.data.tokenizer = "bpe:2048"
     config.data.seq_len = 128
-    config.data.eval_fraction = 0.03
 
     config.batch_size = 32
     config.total_steps = 300

@@ -8,11 +8,12 @@ Nothing is written to the workdir until the config has been validated.
 
 from __future__ import annotations
 
-import difflib
 import gc
 import json
 import os
 import sys
+import tempfile
+from collections.abc import Collection
 
 import jax
 from absl import app, flags, logging
@@ -20,7 +21,7 @@ from ml_collections import config_flags
 
 import jdp
 from jdp import config as config_lib
-from jdp.config import paths, tuned
+from jdp.config import overrides, paths, tuned
 from jdp.errors import ConfigError
 from jdp.experiment import loader
 from jdp.runtime import compile_cache, distributed, exit_codes, gpu_flags, storage
@@ -87,11 +88,17 @@ def _make_workdir(workdir: str) -> None:
 
 
 def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = False,
-        device_memory_gib: float | None = None, step_time_s: float | None = None):
+        device_memory_gib: float | None = None, step_time_s: float | None = None,
+        explicit_keys: Collection[str] | None = None):
     """Everything after flag parsing; tests call this directly. Returns a loop.TrainResult,
-    or with `dry_run` the `preflight.Preflight` plan (nothing trained or written)."""
-    from jdp.checkpoint import check_best_metric
+    or with `dry_run` the `preflight.Preflight` plan (nothing trained or written).
+
+    `explicit_keys`: the config keys the user set (the command line's overrides; default:
+    those that differ from the experiment's own config), which a prepared token store
+    named by data.token_dir does not replace."""
+    from jdp.checkpoint import check_best_metric, trained
     from jdp.checkpoint.resume import check_resumable
+    from jdp.data.text import lm as text_lm
     from jdp.experiment import components as components_lib
     from jdp.train import loop
 
@@ -99,6 +106,11 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
     # any directory and nothing below sees a relative path.
     workdir = paths.absolute(workdir)
     paths.make_absolute(config)
+    if explicit_keys is None:
+        explicit_keys = _differing_keys(config, config_path)
+    # A prepared token store supplies the text it was made from (files, tokenizer, split)
+    # where the user set none; then the config describes what the run trains on.
+    text_lm.adopt_prepared(config.data, explicit_keys)
     applied = tuned.apply(config)  # --config.tune=FILE: a saved jdp.tune result
     if applied:
         logging.info("applied %s: %s", config.tune, applied)
@@ -117,31 +129,62 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
     if storage.is_bucket(workdir) and not dry_run:  # before reading it: the bucket exists
         storage.check_writable(workdir)
     check_resumable(workdir, json.loads(config_json))
+    if dry_run:
+        with tempfile.TemporaryDirectory(prefix="jdp-dry-run-") as scratch:
+            return _dry_run(config, experiment, split, devices, workdir, scratch,
+                            device_memory_gib, step_time_s)
     # The data, task and model, checked (text data prepares its token store here).
     components = components_lib.build(experiment, config, workdir=workdir)
     check_best_metric(config.checkpoint.keep_best, components.eval_keys())
     hooks = _call_build_hooks(experiment, config)
-    if dry_run:
-        from jdp.dryrun import estimate, preflight
-
-        memory = None if device_memory_gib is None else int(device_memory_gib * 2**30)
-        result = preflight.preflight(config, experiment, components, split, devices,
-                                     device_memory_bytes=memory, step_time_s=step_time_s)
-        print(result.text())
-        try:
-            estimate.check_fits(result.inputs)
-        except estimate.PlanError as e:
-            raise ConfigError(str(e)) from e
-        return result
 
     if jax.process_index() == 0:
         _make_workdir(workdir)
-        with storage.open_file(storage.join(workdir, "config.json"), "w") as f:
+        with storage.open_file(storage.join(workdir, trained.CONFIG_FILE), "w") as f:
             f.write(config_json + "\n")
-        with storage.open_file(storage.join(workdir, "run.json"), "w") as f:  # for jdp.sample
+        # What the programs used after training (sample, evaluate) load.
+        with storage.open_file(storage.join(workdir, trained.RUN_FILE), "w") as f:
             json.dump({"experiment_file": os.path.abspath(config_path)}, f)
     return loop.train_and_evaluate(config, workdir, experiment, components, split, devices,
                                    hooks)
+
+
+def _dry_run(config, experiment: loader.Experiment, split, devices, workdir: str, scratch: str,
+             device_memory_gib: float | None, step_time_s: float | None):
+    """The plan, with nothing written: data an experiment prepares into its workdir (a
+    token store) goes to `scratch`, which is removed afterwards; a store already prepared
+    is read where it is."""
+    from jdp.checkpoint import check_best_metric
+    from jdp.data.text import lm as text_lm
+    from jdp.dryrun import estimate, preflight
+    from jdp.experiment import components as components_lib
+
+    if text_lm.uses_text(config.data) and not text_lm.holds_store(config.data, workdir):
+        config.data.token_dir = os.path.join(scratch, text_lm.TOKENS_DIR)
+    components = components_lib.build(experiment, config, workdir=scratch)
+    check_best_metric(config.checkpoint.keep_best, components.eval_keys())
+    _call_build_hooks(experiment, config)
+    memory = None if device_memory_gib is None else int(device_memory_gib * 2**30)
+    result = preflight.preflight(config, experiment, components, split, devices,
+                                 device_memory_bytes=memory, step_time_s=step_time_s)
+    print(result.text())
+    try:
+        estimate.check_fits(result.inputs)
+    except estimate.PlanError as e:
+        raise ConfigError(str(e)) from e
+    return result
+
+
+def _differing_keys(config, config_path: str) -> set[str]:
+    """The keys whose values differ from the experiment's own config (`config_path`, with
+    its `:ARG`), paths compared made absolute."""
+    own = load_config(config_path)
+    paths.make_absolute(own)
+    mine, theirs = (config_lib.flatten(json.loads(c.to_json_best_effort())) for c in (config, own))
+    return {key for key in mine if mine[key] != theirs.get(key, _ABSENT)}
+
+
+_ABSENT = object()
 
 
 def _call_build_hooks(experiment: loader.Experiment, config) -> list:
@@ -186,21 +229,12 @@ def _unknown_override(argv: list[str]) -> str | None:
     given += [after for arg, after in zip(argv, argv[1:], strict=False) if arg == "--config"]
     if not given:
         return None
-    known = config_lib.flatten(json.loads(load_config(given[-1]).to_json_best_effort()))
-    sections = {key.rsplit(".", i)[0] for key in known for i in range(1, key.count(".") + 1)}
-    for arg in argv:
-        if not arg.startswith("--config."):
-            continue
-        key = arg[len("--config."):].split("=", 1)[0]
-        if key in known or key in sections:
-            continue
-        leaf = next((key[:i] for i in range(len(key)) if key[i] == "." and key[:i] in known),
-                    None)
-        where = (f"{leaf} is a value, not a section" if leaf else
-                 "closest known keys: " + (", ".join(difflib.get_close_matches(
-                     key, list(known), n=3, cutoff=0.6)) or "none"))
-        return (f"unknown config key {key} (in {arg}); {where}. Fix: override only keys the "
-                "experiment's config defines (listed in <workdir>/config.json).")
+    known = overrides.keys_of(load_config(given[-1]))
+    for key, arg in overrides.override_keys(argv):
+        problem = overrides.unknown_key(key, known)
+        if problem:
+            return (f"{problem} (in {arg}). Fix: override only keys the experiment's config "
+                    "defines (listed in <workdir>/config.json).")
     return None
 
 
@@ -248,7 +282,8 @@ def main(argv) -> None:
     with distributed.ending_promptly_on_failure():
         try:
             result = run(_CONFIG.value, config_path, _WORKDIR.value, dry_run=_DRY_RUN.value,
-                         device_memory_gib=_DEVICE_MEMORY.value, step_time_s=_STEP_TIME.value)
+                         device_memory_gib=_DEVICE_MEMORY.value, step_time_s=_STEP_TIME.value,
+                         explicit_keys=config_flags.get_override_values(flags.FLAGS["config"]))
         except (CheckpointSaveError, HookError) as e:
             fail(str(e), exit_codes.FAILED)
         except (ConfigError, UsageError, CheckpointError, distributed.MismatchError) as e:

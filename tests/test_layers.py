@@ -22,7 +22,7 @@ LAYERS = [
     ("jdp.parallel",),
     ("jdp.checkpoint", "jdp.observe"),
     ("jdp.train", "jdp.hooks"),
-    ("jdp.dryrun", "jdp.report", "jdp.sample", "jdp.text"),
+    ("jdp.dryrun", "jdp.report", "jdp.sample", "jdp.text", "jdp.evaluate"),
     ("jdp.bench", "jdp.main"),
     ("jdp.tune",),  # runs jdp.main's trainer for its trials
 ]

@@ -3,6 +3,7 @@ resumes on another topology and backend, incomplete checkpoints are skipped, and
 resume inputs fail with a clear error."""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -257,15 +258,33 @@ def test_a_workdir_of_another_config_is_refused_and_left_alone(reference, tmp_pa
     assert sorted(p.name for p in workdir.rglob("*")) == before
 
 
-def test_init_from_loads_params_and_starts_at_step_0(reference, tmp_path):
-    result, records = train(VIT, tmp_path / "finetune", *[a for a in RUN[1:]],
-                            "--config.total_steps=2", "--config.warmup_steps=1",
-                            f"--config.checkpoint.init_from={reference}")
+@pytest.mark.parametrize("path", ["absolute", "relative"])
+def test_init_from_loads_params_and_starts_at_step_0(reference, tmp_path, path, monkeypatch):
+    init_from = reference
+    if path == "relative":
+        monkeypatch.chdir(reference.parent)
+        init_from = reference.name
+    result, records = train(os.path.join(REPO, VIT), tmp_path / "finetune",
+                            *[a for a in RUN[1:]], "--config.total_steps=2",
+                            "--config.warmup_steps=1", f"--config.checkpoint.init_from={init_from}")
     assert min(r["step"] for r in records) == 1
     # One step from the reference's params: close to them, far from a fresh init.
     reference_params = checkpoint_arrays(reference, 40)["params"]
     kernel = np.asarray(result.state.params["head"]["kernel"])
     assert np.abs(kernel - reference_params["head"]["kernel"]).max() < 0.05
+
+
+def test_evaluate_reproduces_the_final_evaluation_and_takes_another_split(reference):
+    from jdp.evaluate import evaluate_run
+
+    final = [r for r in read_metrics(reference) if "eval/accuracy" in r][-1]
+    again = evaluate_run(reference)
+    np.testing.assert_allclose(again["eval/loss"], final["eval/loss"], rtol=1e-6)
+    assert again["eval/accuracy"] == final["eval/accuracy"]
+    part = evaluate_run(reference, changes={"data.eval_split": "train[:10%]"},
+                        devices=jax.devices()[:2])
+    assert part["eval/num_examples"] != final["eval/num_examples"]
+    assert part["eval/loss"] != pytest.approx(final["eval/loss"])
 
 
 def test_init_from_a_path_with_no_checkpoint_fails_clearly(tmp_path):

@@ -176,7 +176,7 @@ def fails_at_start(tmp_path, *overrides) -> str:
     proc = run_main(f"--config={GPT}", f"--workdir={workdir}", *overrides)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    assert not (workdir / "config.json").exists() and not (workdir / "checkpoints").exists()
+    assert not workdir.exists()  # checked before anything, a token store included, is written
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("jdp: error:")
     return last
@@ -231,9 +231,16 @@ def test_the_store_is_reused_by_a_rerun_and_refused_for_other_text(corpus, check
     assert manifest["documents"] > 0
     other = write_corpus(tmp_path / "other")
     (tmp_path / "other" / "doc00.txt").write_text("changed\n")
-    message = fails_at_start(tmp_path, *settings(other),
-                             f"--config.data.token_dir={checkpointed / 'tokens'}")
-    assert "rebuild_tokens" in message
+    tokens = checkpointed / "tokens"
+    before = {p: p.read_bytes() for p in tokens.rglob("*") if p.is_file()}
+    message = fails_at_start(tmp_path, *settings(other), f"--config.data.token_dir={tokens}")
+    assert f"data.text_files='{other}'" in message and "drop those --config.data keys" in message
+    assert {p: p.read_bytes() for p in tokens.rglob("*") if p.is_file()} == before
+    # The run's own store (no data.token_dir) is the run's to rebuild.
+    workdir = tmp_path / "own"
+    shutil.copytree(tokens, workdir / "tokens")
+    proc = run_main(f"--config={GPT}", f"--workdir={workdir}", *settings(other))
+    assert proc.returncode == 2 and "rebuild_tokens=true" in proc.stderr.splitlines()[-1]
 
 
 def text_config(corpus: str, tmp_path, **data):

@@ -364,3 +364,54 @@ def test_learned_positions_refuse_a_prompt_and_tokens_past_max_len():
                                          r"max_len \(24\)"):
         decoding.generate(_model(positions="learned"), _variables("learned")["params"],
                           np.zeros(20, np.int32), max_new_tokens=6)
+
+
+# --- sampling past the context (jdp.sample) ---------------------------------------
+
+
+class _IdsTokenizer:
+    """Text of space-separated token ids; eos VOCAB_SIZE - 1."""
+
+    eos_id = VOCAB_SIZE - 1
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray([int(t) for t in text.split()], np.int32)
+
+    def decode(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids if int(i) != self.eos_id)
+
+
+def _window_by_window_greedy(model, params, prompt: list[int], count: int) -> list[int]:
+    """jdp.sample's sliding window, one full forward pass per token: the first window
+    continues the prompt up to max_len tokens; each next one rereads the last max_len // 2
+    tokens and writes up to max_len // 2 + 1."""
+    forward = jax.jit(lambda tokens: model.apply({"params": params}, tokens, train=False))
+
+    def next_logits(sequence: list[int]) -> jax.Array:  # one program: padded at the end
+        padded = sequence + [0] * (model.max_len - len(sequence))
+        return forward(jnp.asarray([padded], jnp.int32))[0, len(sequence) - 1]
+
+    tokens, new = list(prompt), []
+    context = list(prompt)
+    while len(new) < count:
+        window: list[int] = []
+        while len(new) < count and len(context) + len(window) <= model.max_len:
+            logits = next_logits(context + window)
+            window.append(int(jnp.argmax(logits)))
+            new.append(window[-1])
+            if window[-1] == _IdsTokenizer.eos_id:
+                return new
+        context = (tokens + new)[-(model.max_len // 2):]
+    return new
+
+
+def test_sampling_past_the_context_continues_on_a_sliding_window():
+    from jdp.sample import Sampler
+
+    model, params = _decoder(), _untrained_params()
+    count = 3 * MAX_LEN  # three contexts' worth
+    sampler = Sampler(model, params, _IdsTokenizer())
+    text = sampler.continuation("3 1 4 1 5", max_new_tokens=count, temperature=0)
+    expected = _window_by_window_greedy(model, params, [3, 1, 4, 1, 5], count)
+    assert len(expected) == count  # never an eos: the whole window logic is exercised
+    assert text == _IdsTokenizer().decode(expected)

@@ -69,7 +69,7 @@ def defaults() -> ml_collections.ConfigDict:
     # Python standard library's own sources, on every machine).
     c.data.text_files = ""
     c.data.eval_text_files = ""  # held-out text; "" = eval_fraction of the documents
-    c.data.eval_fraction = 0.01
+    c.data.eval_fraction = 0.01  # also `python -m jdp.text prepare`'s default
     c.data.tokenizer = "bytes"  # or "sentencepiece:PATH", "hf:PATH" (a tokenizer.json)
     c.data.token_dir = ""  # where the token store is kept; "" = <workdir>/tokens
     c.data.rebuild_tokens = False  # replace a store made from other inputs

@@ -23,8 +23,9 @@ LISTS = ("data.train_files", "data.eval_files", "data.text_files", "data.eval_te
 SPECS = ("data.tokenizer", "checkpoint.init_from")
 
 
-def absolute(path: str) -> str:
+def absolute(path: str | os.PathLike) -> str:
     """A local path made absolute (`~` expanded); a bucket URL or a word as it is."""
+    path = os.fspath(path)
     if path in WORDS or "://" in path:
         return path
     return os.path.abspath(os.path.expanduser(path))

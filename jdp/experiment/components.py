@@ -46,14 +46,22 @@ class Components:
         return self.task.model_inputs(batch)
 
 
-def build(experiment: Experiment, config, *, workdir: str = "") -> Components:
-    """Builds data, task and model, and traces model + objective once on abstract values.
+def build(experiment: Experiment, config, *, workdir: str = "",
+          data: Data | None = None) -> Components:
+    """Builds data (unless given: an evaluation's own), task and model, and traces model +
+    objective once on abstract values.
 
     Everything a user's hooks can get wrong (a source without a length, a missing
     feature, a loss without weights or with a mean instead of per-example values)
     fails here with one line naming the hook, before anything is compiled or written.
     """
-    data = _call(experiment, "build_data", config, workdir=workdir)
+    # A model that takes nothing from the data is built first: its own checks against the
+    # config (a language model's vocabulary and length against the tokenizer's) then fail
+    # before the data writes anything (a token store).
+    model = (None if "num_classes" in inspect.signature(experiment.build_model).parameters
+             else _build_model(experiment, config, None))
+    if data is None:
+        data = _call(experiment, "build_data", config, workdir=workdir)
     sample = data_core.check(data, experiment.function_name("build_data"))
     if config.data.num_workers:
         data_core.check_picklable(data, experiment.function_name("build_data"),
@@ -62,14 +70,19 @@ def build(experiment: Experiment, config, *, workdir: str = "") -> Components:
     if not isinstance(task, task_lib.Task):
         raise ConfigError(f"{experiment.function_name('build_task')} returned "
                           f"{type(task).__name__}. Fix: return jdp.task.Task(objective, inputs).")
-    try:
-        model = adapters.build(experiment.build_model, config, data.num_classes)
-    except (ValueError, KeyError, AttributeError, TypeError) as e:
-        raise ConfigError(f"building the model with {experiment.function_name('build_model')}: "
-                          f"{e}") from e
+    if model is None:
+        model = _build_model(experiment, config, data.num_classes)
     components = Components(data, task, model, sample)
     eval_objective = _check_task(experiment, components)
     return dataclasses.replace(components, metric_names=tuple(sorted(eval_objective.metrics)))
+
+
+def _build_model(experiment: Experiment, config, num_classes: int | None) -> adapters.Model:
+    try:
+        return adapters.build(experiment.build_model, config, num_classes)
+    except (ValueError, KeyError, AttributeError, TypeError) as e:
+        raise ConfigError(f"building the model with {experiment.function_name('build_model')}: "
+                          f"{e}") from e
 
 
 def _call(experiment: Experiment, hook: str, config, **optional):

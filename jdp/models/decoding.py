@@ -108,6 +108,7 @@ def generate(
     temperature: float = 1.0,
     top_k: int = 0,
     seed: int = 0,
+    key: jax.Array | None = None,
     eos_id: int | None = None,
 ) -> np.ndarray:
     """Sample `max_new_tokens` tokens that continue `prompt`; returns the new token ids.
@@ -116,7 +117,8 @@ def generate(
     `prompt` is one sequence [length] or a batch of equally long ones [batch, length].
     `temperature` 0 takes the most likely token (greedy); otherwise tokens are drawn from
     softmax(logits / temperature), restricted to the `top_k` most likely when top_k > 0.
-    The same `seed` gives the same tokens. Once a sequence samples `eos_id` it stops: for
+    The same `seed` (or random `key`, which replaces it) gives the same tokens. Once a
+    sequence samples `eos_id` it stops: for
     one prompt the result ends with that eos, for a batch the rest of its row is eos_id.
     The prompt and new tokens must fit in the model: prompt length + max_new_tokens - 1
     <= max_len (the last token sampled is never fed back).
@@ -160,7 +162,7 @@ def generate(
         )
     run = _generate_fn(model.clone(decode=True), max_new_tokens)
     new_tokens = np.asarray(run(
-        params, jnp.asarray(tokens, jnp.int32), jax.random.key(seed),
+        params, jnp.asarray(tokens, jnp.int32), jax.random.key(seed) if key is None else key,
         jnp.float32(temperature), jnp.int32(top_k), jnp.int32(-1 if eos_id is None else eos_id),
     ))
     if batched:

@@ -2,7 +2,9 @@
 
 import argparse
 import sys
+import time
 
+from jdp.config import defaults, paths
 from jdp.errors import ConfigError
 from jdp.runtime.exit_codes import BAD_CONFIG
 
@@ -16,38 +18,65 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--vocab_size", type=int, required=True)
     train.add_argument("--out", required=True, help="the .model or tokenizer.json to write")
     train.add_argument("--kind", choices=("sentencepiece", "bpe"), default="sentencepiece")
-    prepare = commands.add_parser("prepare", help="tokenize files into a token store")
+    data = defaults().data
+    prepare = commands.add_parser(
+        "prepare", help="tokenize files into a token directory that a run names with "
+        "--config.data.token_dir alone")
     prepare.add_argument("--files", required=True, help="a glob, comma-separated globs, or stdlib")
-    prepare.add_argument("--tokenizer", default="bytes",
-                         help="bytes, sentencepiece:PATH or hf:PATH")
-    prepare.add_argument("--out", required=True, help="the store's directory (data.token_dir)")
-    prepare.add_argument("--eval_fraction", type=float, default=0.01,
+    prepare.add_argument("--tokenizer", default=data.tokenizer,
+                         help="bytes, bpe:N (trained on --files), sentencepiece:PATH or hf:PATH")
+    prepare.add_argument("--out", required=True, help="the token directory (data.token_dir)")
+    prepare.add_argument("--eval_files", default="",
+                         help="held-out text (as data.eval_text_files); default: --eval_fraction")
+    prepare.add_argument("--eval_fraction", type=float, default=data.eval_fraction,
                          help="documents held out for evaluation (as data.eval_fraction)")
-    prepare.add_argument("--rebuild", action="store_true", help="replace a store of other inputs")
+    prepare.add_argument("--rebuild", action="store_true",
+                         help="replace a token directory made from other inputs")
     return parser
+
+
+class _Progress:
+    """One line on stderr every few seconds while a store is written."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        rate = done / elapsed
+        eta = (total - done) / rate if rate > 0 else float("nan")
+        print(f"jdp.text: tokenized {done / 1e6:.1f} of {total / 1e6:.1f} MB "
+              f"({100 * done / max(total, 1):.0f}%, {rate / 1e6:.1f} MB/s, ETA {eta:.0f} s)",
+              file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    from jdp.data.text import corpus, lm, store, tokenizers
+    from jdp.data.text import corpus, lm, tokenizers
 
     try:
-        files = corpus.expand_files(args.files, "files")
         if args.command == "tokenizer":
+            files = corpus.expand_files(args.files, "files")
             spec = tokenizers.train_tokenizer(files, vocab_size=args.vocab_size, out=args.out,
                                               kind=args.kind)
             print(f"trained on {len(files)} files; train with --config.data.tokenizer={spec}")
             return 0
-        tokenizer = tokenizers.from_spec(args.tokenizer, "tokenizer")
-        train, held_out = store.prepare_split(files, tokenizer, lm.split_dir(args.out),
-                                              eval_fraction=args.eval_fraction,
-                                              rebuild=args.rebuild)
+        out = paths.absolute(args.out)
+        # The same keys a run's config has, so that the directory describes itself in them.
+        data = defaults().data
+        data.text_files = paths.absolute_list(args.files)
+        data.eval_text_files = paths.absolute_list(args.eval_files)
+        data.tokenizer = paths.absolute_spec(args.tokenizer)
+        data.eval_fraction = args.eval_fraction
+        data.rebuild_tokens = args.rebuild
+        # As a run's own store: reused while its files are unchanged, replaced on --rebuild.
+        train, held_out = lm.prepare(data, out, prepared=False, progress=_Progress())
     except ConfigError as e:
         print(f"jdp.text: error: {e}", file=sys.stderr)
         return BAD_CONFIG
-    print(f"{args.out}: {train.num_documents} train documents ({train.num_tokens:,} tokens), "
-          f"{held_out.num_documents} held out ({held_out.num_tokens:,} tokens); train with "
-          f"--config.data.token_dir={args.out}")
+    print(f"{out}: {train.num_documents} train documents ({train.num_tokens:,} tokens), "
+          f"{held_out.num_documents} held out ({held_out.num_tokens:,} tokens); train on it "
+          f"with --config.data.token_dir={out} (it supplies the files, tokenizer and split)")
     return 0
 
 

@@ -534,6 +534,27 @@ def _reusable(directory: str, wanted: dict, rebuild: bool) -> list[TokenStore] |
                       f"({'; '.join(differences)}). {_OTHER_INPUTS_FIX}.")
 
 
+def open_matching(files: Sequence[str], tokenizer, directory: str, *, eval_fraction: float = 0.0,
+                  field: str = "data.text_files") -> list[TokenStore] | None:
+    """The stores in `directory` ([store], or [train, eval] with `eval_fraction`) if their
+    manifests name `files` as they are now, `tokenizer` and `eval_fraction`; None if there
+    are none or any of those differ. Reads only; a corrupt store is a ConfigError."""
+    directory = os.path.abspath(os.path.expanduser(directory))
+    wanted = {"files": _stat_inputs(files, field), "tokenizer": tokenizer.identity,
+              "eval_fraction": float(eval_fraction)}
+    try:
+        return _reusable(directory, wanted, rebuild=False)
+    except ConfigError:
+        if os.path.isdir(directory) and os.listdir(directory):
+            _open_layout(directory)  # raises if it is corrupt, not just of other inputs
+        return None
+
+
+def same_tokenizer(opened: TokenStore, tokenizer) -> bool:
+    """Whether `opened` was made by `tokenizer` (its kind and model file's hash)."""
+    return _tokenizer_key(opened.manifest["tokenizer"]) == _tokenizer_key(tokenizer.identity)
+
+
 def _prepare(files: Sequence[str], tokenizer, directory: str, eval_fraction: float,
              rebuild: bool, progress: Progress | None, field: str) -> list[TokenStore]:
     directory = os.path.abspath(os.path.expanduser(directory))
