@@ -1,0 +1,447 @@
+"""Trackers: what metrics.jsonl gets (and the config, texts and the report's plots) reaches
+W&B offline and MLflow, read back by their own readers; a killed run resumes the same W&B
+and MLflow runs with every step once; a tracker whose backend fails warns once and training
+goes on; only process 0 sends; bad tracker settings fail in one line before anything is
+written."""
+
+import importlib.machinery
+import json
+import logging
+import sys
+import textwrap
+import types
+
+import pytest
+
+from jdp import main as jdp_main
+from jdp.config.resume import flatten
+from jdp.errors import ConfigError
+from jdp.track import configured
+from jdp.track.feed import RUN_IDS_FILE, TrackerFeed
+from jdp.track.wandb_tracker import offline_run_dirs, wandb_cli
+from jdp.train.hooks import HookInfo
+from runs import REPO, load_config, read_metrics, run_main, train
+
+VIT = "experiments/vit.py"
+TINY = ("--config.batch_size=32", "--config.total_steps=16", "--config.warmup_steps=2",
+        "--config.log_every_steps=2", "--config.eval_every_steps=8",
+        "--config.eval_batch_size=32", "--config.checkpoint.every_steps=8")
+BOTH = "--config.tracker.kind=wandb,mlflow"
+# The values that are the trajectory: the same in a resumed run as in the one it resumes
+# (the times and speeds of a step recomputed after a kill are not).
+TRAJECTORY = ("train/loss", "train/accuracy", "train/learning_rate", "train/grad_norm",
+              "eval/loss", "eval/accuracy")
+
+# The shipped ViT with two hooks of a user's: a text at each evaluation (as a model's sample
+# is written), and a SIGKILL at step 12 while the workdir holds a KILL file.
+EXPERIMENT = '''
+    import importlib.util
+    import os
+    import signal
+
+    from jdp.hooks import Hook
+
+    _spec = importlib.util.spec_from_file_location("shipped_vit", {vit!r})
+    _vit = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_vit)
+
+    get_config = _vit.get_config
+    build_model = _vit.build_model
+
+
+    def build_hooks(config):
+        def sample(step, info):
+            info.write_text("eval/sample", f"a sample at step {{step}}")
+
+        def kill(step, info):
+            if step == 12 and os.path.exists(os.path.join(info.workdir, "KILL")):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        return [Hook(sample, every=config.eval_every_steps), Hook(kill, every=1)]
+'''
+
+
+@pytest.fixture(scope="module", autouse=True)
+def wandb_offline(tmp_path_factory):
+    """W&B offline, its settings and caches in a directory of the tests, no error reports;
+    no MLflow server from the environment."""
+    home = tmp_path_factory.mktemp("wandb_home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WANDB_MODE", "offline")
+        patch.setenv("WANDB_ERROR_REPORTING", "false")
+        for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+            patch.setenv(name, str(home))
+        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        yield
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory):
+    path = tmp_path_factory.mktemp("experiment") / "tracked.py"
+    path.write_text(textwrap.dedent(EXPERIMENT.format(vit=f"{REPO}/{VIT}")))
+    return str(path)
+
+
+# -- Reading the trackers back ------------------------------------------------------------
+
+def run_ids(workdir) -> dict:
+    return json.loads((workdir / RUN_IDS_FILE).read_text())
+
+
+def by_step(records) -> dict[int, dict]:
+    """metrics.jsonl's records merged per step, as a tracker gets them."""
+    merged = {}
+    for record in records:
+        merged.setdefault(record["step"], {}).update(
+            (k, v) for k, v in record.items() if k != "step")
+    return merged
+
+
+def wandb_records(workdir, kind: str) -> list[tuple[str, dict]]:
+    """(run directory, record) of every `kind` record in the workdir's offline W&B run
+    directories, oldest first, read by W&B's own reader (`wandb leet inspect`)."""
+    found = []
+    for run_dir in offline_run_dirs(str(workdir / "wandb"), run_ids(workdir)["wandb"]):
+        for line in wandb_cli("leet", "inspect", "--json", run_dir).splitlines():
+            record = json.loads(line)
+            if record["type"] == kind:
+                found.append((run_dir, record[kind]))
+    return found
+
+
+def wandb_rows(workdir) -> list[tuple[int, dict]]:
+    """(step, values) of every W&B history row, W&B's own keys (`_step`, ...) left out."""
+    return [(int(row["step"]["num"]),
+             {k: v for k, v in row["item"].items() if not k.startswith("_")})
+            for _, row in wandb_records(workdir, "history")]
+
+
+def numbers(values: dict) -> dict:
+    """The metrics of a W&B row: no texts, no images (W&B rows hold an image as keys
+    `report/<name>.<field>`)."""
+    return {k: v for k, v in values.items()
+            if not k.startswith("report/") and not isinstance(v, str)}
+
+
+def mlflow_client(workdir):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(configured._default_mlflow_uri(str(workdir)))
+
+
+def mlflow_history(workdir) -> dict[str, list[tuple[int, float]]]:
+    """Each metric's (step, value) history in the workdir's MLflow run, by step."""
+    client = mlflow_client(workdir)
+    run_id = run_ids(workdir)["mlflow"]
+    keys = client.get_run(run_id).data.metrics
+    return {key: sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+            for key in keys}
+
+
+def jsonl_history(records) -> dict[str, list[tuple[int, float]]]:
+    history = {}
+    for step, values in sorted(by_step(records).items()):
+        for key, value in values.items():
+            history.setdefault(key, []).append((step, value))
+    return history
+
+
+# -- One run, both trackers ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tracked(experiment, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("tracked")
+    _, records = train(experiment, workdir, *TINY, BOTH)
+    return workdir, records
+
+
+@pytest.mark.slow
+def test_wandb_offline_files_hold_the_rows_of_metrics_jsonl(tracked):
+    workdir, records = tracked
+    rows = wandb_rows(workdir)
+    steps = [step for step, _ in rows]
+    assert steps == sorted(set(steps)), "one row per step, in order"
+    # Exactly: a float goes through JSON both ways, shortest round-trip repr.
+    assert {step: numbers(values) for step, values in rows} == by_step(records)
+    texts = {step: values["eval/sample"] for step, values in rows if "eval/sample" in values}
+    assert texts == {8: "a sample at step 8", 16: "a sample at step 16"}
+
+
+@pytest.mark.slow
+def test_wandb_gets_the_resolved_config_and_the_reports_plots(tracked):
+    workdir, _ = tracked
+    config = {}
+    for _, record in wandb_records(workdir, "config"):
+        config.update(record["update"])
+    config.pop("_wandb", None)
+    assert config == json.loads((workdir / "config.json").read_text())
+    last_step, last = wandb_rows(workdir)[-1]
+    plots = {k.split(".")[0] for k in last if k.startswith("report/")}
+    assert last_step == 16 and {"report/loss", "report/learning_rate"} <= plots
+
+
+@pytest.mark.slow
+def test_mlflow_holds_the_metric_history_and_the_config_as_params(tracked):
+    workdir, records = tracked
+    assert mlflow_history(workdir) == jsonl_history(records)
+    client = mlflow_client(workdir)
+    run = client.get_run(run_ids(workdir)["mlflow"])
+    config = json.loads((workdir / "config.json").read_text())
+    assert run.data.params == {key: str(value) for key, value in flatten(config).items()}
+    assert run.info.status == "FINISHED" and run.info.run_name == workdir.name
+    text = client.download_artifacts(run.info.run_id, "text/eval/sample/step_8.txt",
+                                     str(workdir / "downloaded"))
+    assert open(text).read() == "a sample at step 8"
+    plots = {a.path for a in client.list_artifacts(run.info.run_id, "report")}
+    assert {"report/loss.png", "report/learning_rate.png"} <= plots
+
+
+# -- Killed and resumed -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(experiment, tracked, tmp_path_factory):
+    """The tracked run, SIGKILLed at step 12 (its checkpoint: step 8) and rerun to the end."""
+    workdir = tmp_path_factory.mktemp("killed")
+    (workdir / "KILL").touch()
+    settings = (f"--config={experiment}", f"--workdir={workdir}", *TINY, BOTH)
+    with pytest.MonkeyPatch.context() as patch:
+        # Each run starts its own W&B service, as a job's processes do, not the one that
+        # the tracked run started in this process (which would outlive the kill).
+        patch.delenv("WANDB_SERVICE", raising=False)
+        killed = run_main(*settings)
+        assert killed.returncode == -9, killed.stderr[-3000:]
+        (workdir / "KILL").unlink()
+        resumed = run_main(*settings)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stderr
+    return workdir
+
+
+def assert_each_step_once_with_the_trajectory(history: dict, jsonl: dict) -> None:
+    """Every step of metrics.jsonl, each once, and the trajectory's values. (A step the
+    tracker held from before the kill keeps that run's record: its speeds, and no
+    `time/compile_s` where the resumed run logged its own compile time.)"""
+    for key, points in history.items():
+        steps = [step for step, _ in points]
+        assert steps == sorted(set(steps)), f"{key}: a step twice"
+    assert ({step for points in history.values() for step, _ in points}
+            == {step for points in jsonl.values() for step, _ in points})
+    for key in TRAJECTORY:
+        assert history[key] == jsonl[key], key
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumed_continues_its_wandb_run_with_each_step_once(killed_and_resumed):
+    workdir = killed_and_resumed
+    run_dirs = sorted(p.name for p in (workdir / "wandb").glob("offline-run-*"))
+    assert len(run_dirs) == 2 and all(d.endswith("-" + run_ids(workdir)["wandb"])
+                                      for d in run_dirs), run_dirs
+    history = {}
+    for step, values in wandb_rows(workdir):
+        for key, value in numbers(values).items():
+            history.setdefault(key, []).append((step, value))
+    assert_each_step_once_with_the_trajectory(history, jsonl_history(read_metrics(workdir)))
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumed_continues_its_mlflow_run_with_each_step_once(killed_and_resumed):
+    workdir = killed_and_resumed
+    client = mlflow_client(workdir)
+    runs = client.search_runs([client.get_experiment_by_name("jdp").experiment_id])
+    assert [run.info.run_id for run in runs] == [run_ids(workdir)["mlflow"]]
+    assert runs[0].info.status == "FINISHED"
+    assert_each_step_once_with_the_trajectory(mlflow_history(workdir),
+                                              jsonl_history(read_metrics(workdir)))
+
+
+# -- Failing backends ---------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_trackers_whose_backends_fail_warn_once_each_and_training_goes_on(
+        experiment, tracked, tmp_path, monkeypatch, caplog):
+    """W&B's server is gone (every call raises); MLflow's disk fills after the run began
+    (every metrics batch raises). Each warns once and the run ends as an untracked one."""
+    from mlflow.tracking import MlflowClient
+
+    calls = {"wandb": 0, "mlflow": 0}
+
+    def gone(*args, **kwargs):
+        calls["wandb"] += 1
+        raise ConnectionError("the W&B server is gone")
+
+    wandb = types.ModuleType("wandb")
+    wandb.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    wandb.init = wandb.Image = wandb.log = wandb.finish = gone
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    log_batch = MlflowClient.log_batch
+
+    def full(self, run_id, metrics=(), **kwargs):
+        if metrics:
+            calls["mlflow"] += 1
+            raise OSError(28, "No space left on device")
+        return log_batch(self, run_id, metrics, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", full)
+    with caplog.at_level(logging.WARNING):
+        _, records = train(experiment, tmp_path, *TINY, BOTH)
+    warnings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tracker ")]
+    assert len(warnings) == 2, warnings
+    assert "tracker wandb failed at step 1 (ConnectionError: the W&B server is gone)" in \
+        warnings[0]
+    assert "tracker mlflow failed at step 3 (OSError: [Errno 28] No space left on device)" in \
+        warnings[1]
+    assert calls == {"wandb": 1, "mlflow": 1}
+    assert by_step(records).keys() == by_step(tracked[1]).keys()  # nothing lost
+
+
+# -- The feed, step by step ---------------------------------------------------------------
+
+class Recording:
+    """A tracker that keeps what it is sent; its backend holds steps up to `held_through`."""
+
+    name = "recording"
+
+    def __init__(self, held_through: int = 0, fail_from_step: int | None = None):
+        self.held_through = held_through
+        self.fail_from_step = fail_from_step
+        self.started: list = []
+        self.records: list = []
+        self.finished = 0
+
+    def start(self, run_id, config):
+        self.started.append((run_id, config))
+        return run_id or "run-1", self.held_through
+
+    def log(self, record):
+        if self.fail_from_step is not None and record.step >= self.fail_from_step:
+            raise OSError("the disk is full")
+        self.records.append(record)
+
+    def finish(self):
+        self.finished += 1
+
+
+def call(feed, workdir, step, written=(), total_steps=100, is_writer=True):
+    def unused(*args):
+        raise AssertionError("a tracking hook reads no state and writes nothing")
+
+    feed(step, HookInfo(step=step, workdir=str(workdir), is_writer=is_writer,
+                        total_steps=total_steps, state_fn=unused, metrics_fn=unused,
+                        write_fn=unused, write_text_fn=unused,
+                        written_fn=lambda: list(written)))
+
+
+def sent(tracker) -> list[tuple[int, dict, dict]]:
+    return [(r.step, r.metrics, r.texts) for r in tracker.records]
+
+
+def test_a_step_goes_out_once_complete_as_one_record(tmp_path):
+    (tmp_path / "config.json").write_text('{"seed": 3}')
+    tracker = Recording()
+    feed = TrackerFeed(tracker)
+    call(feed, tmp_path, 1)
+    call(feed, tmp_path, 2, [(2, {"eval/loss": 1.5}), (2, {"eval/sample": "def f"})])
+    assert tracker.started == [(None, {"seed": 3})] and tracker.records == []
+    call(feed, tmp_path, 3, [(2, {"train/loss": 2.5})])  # the train report, one step late
+    assert sent(tracker) == [(2, {"eval/loss": 1.5, "train/loss": 2.5}, {"eval/sample": "def f"})]
+    assert run_ids(tmp_path) == {"recording": "run-1"}
+
+
+def test_the_last_step_goes_out_with_the_reports_plots_then_the_tracker_finishes(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2, "train/loss": 2.5}\n'
+                                            '{"step": 4, "train/loss": 2.0}\n')
+    tracker = Recording()
+    feed = TrackerFeed(tracker)
+    call(feed, tmp_path, 4, [(4, {"train/loss": 2.0})], total_steps=4)
+    assert sent(tracker) == [(2, {"train/loss": 2.5}, {}), (4, {"train/loss": 2.0}, {})]
+    assert tracker.records[0].images == {}
+    assert set(tracker.records[1].images) == {"report/loss"}
+    assert tracker.finished == 1
+
+
+@pytest.mark.parametrize("held_through, expected", [
+    (2, [4, 6, 9, 10]),  # the backend lost steps 4 and 6: sent from metrics.jsonl
+    (9, [10]),  # the backend has step 9 from before the kill: the recomputed one is dropped
+])
+def test_a_resumed_feed_sends_what_the_backend_lacks_and_no_step_twice(tmp_path, held_through,
+                                                                        expected):
+    """Resumed from a checkpoint at step 8: metrics.jsonl holds steps 2-6 of the run before."""
+    (tmp_path / RUN_IDS_FILE).write_text('{"recording": "run-7"}')
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "train/loss": 1.0 / s}) + "\n" for s in (2, 4, 6)))
+    tracker = Recording(held_through)
+    feed = TrackerFeed(tracker)
+    for step in range(9, 12):
+        call(feed, tmp_path, step, [(step - 1, {"train/loss": 1.0 / step})] if step > 9 else [])
+    assert [run_id for run_id, _ in tracker.started] == ["run-7"]
+    assert [r.step for r in tracker.records] == expected
+
+
+def test_only_process_0_sends(tmp_path):
+    tracker = Recording()
+    feed = TrackerFeed(tracker)
+    for step in (1, 2, 3):
+        call(feed, tmp_path, step, [(step, {"train/loss": 1.0})], is_writer=False)
+    assert tracker.started == [] and tracker.records == []
+
+
+def test_a_tracker_that_fails_warns_once_and_is_sent_nothing_more(tmp_path, caplog):
+    tracker = Recording(fail_from_step=3)
+    feed = TrackerFeed(tracker)
+    with caplog.at_level(logging.WARNING):
+        for step in range(1, 8):
+            call(feed, tmp_path, step, [(step, {"train/loss": 1.0})])
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "tracker recording failed at step 4 (OSError: the disk is full); training goes on")
+    assert [r.step for r in tracker.records] == [1, 2]
+
+
+# -- Bad input ----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_an_unknown_tracker_is_one_line_and_exit_2_with_nothing_written(tmp_path):
+    workdir = tmp_path / "run"
+    proc = run_main(f"--config={VIT}", f"--workdir={workdir}",
+                    "--config.tracker.kind=wandb,neptune")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("jdp: error:")]
+    assert errors == ["jdp: error: config.tracker.kind='wandb,neptune': unknown tracker "
+                      "'neptune'. Fix: use 'wandb' or 'mlflow' or both ('wandb,mlflow'); "
+                      "another tracker is a hook in the experiment's build_hooks "
+                      "(jdp.hooks.tracking_hook)."], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not workdir.exists()
+
+
+@pytest.mark.parametrize("kind, missing, extra", [
+    ("wandb", "wandb", "wandb"),
+    ("mlflow", "mlflow", "mlflow"),
+    ("wandb,mlflow", "sqlalchemy", "mlflow"),  # the default store is SQL (SQLite)
+])
+def test_a_tracker_whose_package_is_missing_names_the_extra_before_anything_is_written(
+        tmp_path, monkeypatch, kind, missing, extra):
+    monkeypatch.setitem(sys.modules, missing, None)  # as if not installed
+    workdir = tmp_path / "run"
+    with pytest.raises(ConfigError) as error:
+        jdp_main.run(load_config(VIT, f"--config.tracker.kind={kind}"), VIT, str(workdir))
+    message = str(error.value)
+    assert "\n" not in message and f"needs {missing}, which is not installed" in message
+    assert message.endswith(f"Fix: pip install 'jdp[{extra}]'.")
+    assert not workdir.exists()
+
+
+@pytest.mark.parametrize("overrides, workdir, says", [
+    (("--config.tracker.kind=5",), "run", "config.tracker.kind=5: expected tracker names"),
+    (("--config.tracker.kind=wandb,wandb",), "run", "names a tracker twice"),
+    (("--config.tracker.kind=mlflow",), "gs://bucket/run",
+     "config.tracker.mlflow_uri='': MLflow's default store is a SQLite file in the workdir"),
+])
+def test_bad_tracker_settings_are_refused_naming_the_field(overrides, workdir, says):
+    with pytest.raises(ConfigError) as error:
+        configured.check(load_config(VIT, *overrides), workdir)
+    assert says in str(error.value) and "Fix: " in str(error.value)
+
+
+def test_no_tracker_by_default():
+    assert configured.configured_hooks(load_config(VIT), "run") == []
