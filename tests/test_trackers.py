@@ -9,6 +9,7 @@ import json
 import logging
 import sys
 import textwrap
+import threading
 import types
 
 import pytest
@@ -17,6 +18,7 @@ from jdp import main as jdp_main
 from jdp.config.resume import flatten
 from jdp.errors import ConfigError
 from jdp.track import configured
+from jdp.track import feed as feed_module
 from jdp.track.feed import RUN_IDS_FILE, TrackerFeed
 from jdp.track.wandb_tracker import offline_run_dirs, wandb_cli
 from jdp.train.hooks import HookInfo
@@ -33,11 +35,14 @@ TRAJECTORY = ("train/loss", "train/accuracy", "train/learning_rate", "train/grad
               "eval/loss", "eval/accuracy")
 
 # The shipped ViT with two hooks of a user's: a text at each evaluation (as a model's sample
-# is written), and a SIGKILL at step 12 while the workdir holds a KILL file.
+# is written), and a SIGKILL at step 12 while the workdir holds a KILL file (once the step-8
+# checkpoint is complete and both trackers have started).
 EXPERIMENT = '''
     import importlib.util
+    import json
     import os
     import signal
+    import time
 
     from jdp.hooks import Hook
 
@@ -55,9 +60,20 @@ EXPERIMENT = '''
 
         def kill(step, info):
             if step == 12 and os.path.exists(os.path.join(info.workdir, "KILL")):
+                deadline = time.monotonic() + 120
+                while not started(info.workdir) and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 os.kill(os.getpid(), signal.SIGKILL)
 
         return [Hook(sample, every=config.eval_every_steps), Hook(kill, every=1)]
+
+
+    def started(workdir):
+        """The step-8 checkpoint is complete (it is saved asynchronously) and both trackers
+        have started (their threads write their run ids)."""
+        ids = os.path.join(workdir, "trackers.json")
+        return (os.path.isdir(os.path.join(workdir, "checkpoints", "8"))
+                and os.path.exists(ids) and len(json.load(open(ids))) == 2)
 '''
 
 
@@ -284,12 +300,9 @@ def test_trackers_whose_backends_fail_warn_once_each_and_training_goes_on(
     monkeypatch.setattr(MlflowClient, "log_batch", full)
     with caplog.at_level(logging.WARNING):
         _, records = train(experiment, tmp_path, *TINY, BOTH)
-    warnings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tracker ")]
-    assert len(warnings) == 2, warnings
-    assert "tracker wandb failed at step 1 (ConnectionError: the W&B server is gone)" in \
-        warnings[0]
-    assert "tracker mlflow failed at step 3 (OSError: [Errno 28] No space left on device)" in \
-        warnings[1]
+    assert sorted(w.split(";")[0] for w in warnings_of(caplog)) == [
+        "tracker mlflow failed at step 2 (OSError: [Errno 28] No space left on device)",
+        "tracker wandb failed starting (ConnectionError: the W&B server is gone)"]
     assert calls == {"wandb": 1, "mlflow": 1}
     assert by_step(records).keys() == by_step(tracked[1]).keys()  # nothing lost
 
@@ -297,13 +310,16 @@ def test_trackers_whose_backends_fail_warn_once_each_and_training_goes_on(
 # -- The feed, step by step ---------------------------------------------------------------
 
 class Recording:
-    """A tracker that keeps what it is sent; its backend holds steps up to `held_through`."""
+    """A tracker that keeps what it is sent; its backend holds steps up to `held_through`;
+    it fails from `fail_from_step` on, and each `log` waits for `gate` (set: no wait)."""
 
     name = "recording"
 
     def __init__(self, held_through: int = 0, fail_from_step: int | None = None):
         self.held_through = held_through
         self.fail_from_step = fail_from_step
+        self.gate = threading.Event()
+        self.gate.set()
         self.started: list = []
         self.records: list = []
         self.finished = 0
@@ -313,6 +329,7 @@ class Recording:
         return run_id or "run-1", self.held_through
 
     def log(self, record):
+        self.gate.wait()
         if self.fail_from_step is not None and record.step >= self.fail_from_step:
             raise OSError("the disk is full")
         self.records.append(record)
@@ -331,32 +348,32 @@ def call(feed, workdir, step, written=(), total_steps=100, is_writer=True):
                         written_fn=lambda: list(written)))
 
 
+def write_metrics(workdir, steps) -> None:
+    (workdir / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "train/loss": 1.0 / s}) + "\n" for s in steps))
+
+
 def sent(tracker) -> list[tuple[int, dict, dict]]:
     return [(r.step, r.metrics, r.texts) for r in tracker.records]
 
 
-def test_a_step_goes_out_once_complete_as_one_record(tmp_path):
+def test_each_step_goes_out_once_complete_as_one_record_the_last_with_the_plots(tmp_path):
     (tmp_path / "config.json").write_text('{"seed": 3}')
+    write_metrics(tmp_path, (2, 4))  # as the writers wrote them
     tracker = Recording()
     feed = TrackerFeed(tracker)
-    call(feed, tmp_path, 1)
-    call(feed, tmp_path, 2, [(2, {"eval/loss": 1.5}), (2, {"eval/sample": "def f"})])
-    assert tracker.started == [(None, {"seed": 3})] and tracker.records == []
-    call(feed, tmp_path, 3, [(2, {"train/loss": 2.5})])  # the train report, one step late
-    assert sent(tracker) == [(2, {"eval/loss": 1.5, "train/loss": 2.5}, {"eval/sample": "def f"})]
-    assert run_ids(tmp_path) == {"recording": "run-1"}
-
-
-def test_the_last_step_goes_out_with_the_reports_plots_then_the_tracker_finishes(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text('{"step": 2, "train/loss": 2.5}\n'
-                                            '{"step": 4, "train/loss": 2.0}\n')
-    tracker = Recording()
-    feed = TrackerFeed(tracker)
-    call(feed, tmp_path, 4, [(4, {"train/loss": 2.0})], total_steps=4)
-    assert sent(tracker) == [(2, {"train/loss": 2.5}, {}), (4, {"train/loss": 2.0}, {})]
+    call(feed, tmp_path, 1, total_steps=4)
+    call(feed, tmp_path, 2, [(2, {"eval/loss": 1.5}), (2, {"eval/sample": "def f"})],
+         total_steps=4)
+    call(feed, tmp_path, 3, [(2, {"train/loss": 0.5})], total_steps=4)  # one step late
+    call(feed, tmp_path, 4, [(4, {"train/loss": 0.25})], total_steps=4)
+    assert tracker.started == [(None, {"seed": 3})]
+    assert sent(tracker) == [(2, {"eval/loss": 1.5, "train/loss": 0.5}, {"eval/sample": "def f"}),
+                             (4, {"train/loss": 0.25}, {})]
     assert tracker.records[0].images == {}
     assert set(tracker.records[1].images) == {"report/loss"}
     assert tracker.finished == 1
+    assert run_ids(tmp_path) == {"recording": "run-1"}
 
 
 @pytest.mark.parametrize("held_through, expected", [
@@ -367,12 +384,12 @@ def test_a_resumed_feed_sends_what_the_backend_lacks_and_no_step_twice(tmp_path,
                                                                         expected):
     """Resumed from a checkpoint at step 8: metrics.jsonl holds steps 2-6 of the run before."""
     (tmp_path / RUN_IDS_FILE).write_text('{"recording": "run-7"}')
-    (tmp_path / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": s, "train/loss": 1.0 / s}) + "\n" for s in (2, 4, 6)))
+    write_metrics(tmp_path, (2, 4, 6))
     tracker = Recording(held_through)
     feed = TrackerFeed(tracker)
-    for step in range(9, 12):
-        call(feed, tmp_path, step, [(step - 1, {"train/loss": 1.0 / step})] if step > 9 else [])
+    for step in (9, 10, 11):
+        call(feed, tmp_path, step, [(step - 1, {"train/loss": 1.0})] if step > 9 else [],
+             total_steps=11)
     assert [run_id for run_id, _ in tracker.started] == ["run-7"]
     assert [r.step for r in tracker.records] == expected
 
@@ -381,20 +398,60 @@ def test_only_process_0_sends(tmp_path):
     tracker = Recording()
     feed = TrackerFeed(tracker)
     for step in (1, 2, 3):
-        call(feed, tmp_path, step, [(step, {"train/loss": 1.0})], is_writer=False)
+        call(feed, tmp_path, step, [(step, {"train/loss": 1.0})], total_steps=3,
+             is_writer=False)
     assert tracker.started == [] and tracker.records == []
 
 
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("tracker ")]
+
+
 def test_a_tracker_that_fails_warns_once_and_is_sent_nothing_more(tmp_path, caplog):
+    write_metrics(tmp_path, range(1, 8))
     tracker = Recording(fail_from_step=3)
     feed = TrackerFeed(tracker)
     with caplog.at_level(logging.WARNING):
         for step in range(1, 8):
+            call(feed, tmp_path, step, [(step, {"train/loss": 1.0})], total_steps=7)
+        feed.sender.join()
+    assert warnings_of(caplog) == [
+        "tracker recording failed at step 3 (OSError: the disk is full); training goes on "
+        "without it. metrics.jsonl keeps every record, and a resumed run sends the tracker "
+        "what it missed."]
+    assert [r.step for r in tracker.records] == [1, 2] and tracker.finished == 0
+
+
+def test_a_hung_tracker_holds_the_end_of_training_a_bounded_time(tmp_path, caplog,
+                                                                 monkeypatch):
+    monkeypatch.setattr(feed_module, "END_WAIT_S", 0.5)
+    write_metrics(tmp_path, range(1, 6))
+    tracker = Recording()
+    tracker.gate.clear()  # the backend answers no call
+    feed = TrackerFeed(tracker)
+    with caplog.at_level(logging.WARNING):
+        for step in range(1, 6):
+            call(feed, tmp_path, step, [(step, {"train/loss": 1.0})], total_steps=5)
+    assert warnings_of(caplog) == [
+        "tracker recording failed at the end: still sending after 0.5 s; training goes on "
+        "without it. metrics.jsonl keeps every record, and a resumed run sends the tracker "
+        "what it missed."]
+    tracker.gate.set()
+
+
+def test_a_tracker_too_far_behind_is_turned_off_with_one_warning(tmp_path, caplog,
+                                                                 monkeypatch):
+    monkeypatch.setattr(feed_module, "MAX_BEHIND", 3)
+    tracker = Recording()
+    tracker.gate.clear()
+    feed = TrackerFeed(tracker)
+    with caplog.at_level(logging.WARNING):
+        for step in range(1, 20):
             call(feed, tmp_path, step, [(step, {"train/loss": 1.0})])
-    warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and warnings[0].startswith(
-        "tracker recording failed at step 4 (OSError: the disk is full); training goes on")
-    assert [r.step for r in tracker.records] == [1, 2]
+    assert feed.off
+    assert [w.split(";")[0] for w in warnings_of(caplog)] == [
+        "tracker recording failed 3 steps behind"]
+    tracker.gate.set()
 
 
 # -- Bad input ----------------------------------------------------------------------------

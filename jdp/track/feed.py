@@ -9,15 +9,22 @@ to metrics.jsonl past the last step the tracker's backend holds, so a resumed ru
 what a kill or a preemption cut off and no step is sent twice. The tracker's run id is
 kept in <workdir>/trackers.json for the resumed run.
 
-A tracker that raises gives one warning and is off for the rest of the run; training goes
-on, metrics.jsonl keeps every record, and the next resumed run sends what it missed.
+The tracker is called on a thread of its own, so a slow or unreachable backend never holds
+the training loop; the end of training waits for it at most `END_WAIT_S`. A tracker that
+raises, falls `MAX_BEHIND` steps behind or is still sending then gives one warning and is
+off for the rest of the run; training goes on, metrics.jsonl keeps every record, and the
+next resumed run sends what it missed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import queue
+import shutil
 import tempfile
+import threading
 
 from absl import logging
 
@@ -28,6 +35,9 @@ from jdp.track.tracker import StepRecord, Tracker
 from jdp.train.hooks import Hook, HookInfo
 
 RUN_IDS_FILE = "trackers.json"  # {tracker name: its run id}, in the workdir
+MAX_BEHIND = 1000  # steps' records waiting for a tracker before it is turned off
+END_WAIT_S = 120.0  # the end of training waits this long for a tracker (watchdog: 600 s)
+_RUN_IDS_LOCK = threading.Lock()
 
 
 def tracking_hook(tracker: Tracker) -> Hook:
@@ -36,15 +46,25 @@ def tracking_hook(tracker: Tracker) -> Hook:
     return Hook(TrackerFeed(tracker), every=1, name=f"tracker {tracker.name}")
 
 
+@dataclasses.dataclass
+class _Finish:
+    """The last record (with the report's plots, drawn in `plots_dir`), then `finish()`."""
+
+    record: StepRecord | None
+    plots_dir: str
+
+
 class TrackerFeed:
-    """`fn(step, info)` of a tracking hook: the records not yet sent, by step, and whether
-    the tracker is still on."""
+    """`fn(step, info)` of a tracking hook: gathers each step's records on the loop's thread
+    and hands the complete ones to the thread that calls the tracker."""
 
     def __init__(self, tracker: Tracker):
         self.tracker = tracker
-        self.held_through: int | None = None  # the backend's last step; None: not started
         self.pending: dict[int, dict[str, float | str]] = {}
+        self.queue: queue.Queue = queue.Queue(maxsize=MAX_BEHIND)
+        self.sender: threading.Thread | None = None
         self.off = False
+        self._warned = threading.Lock()  # held by whoever warns: one warning
 
     def __call__(self, step: int, info: HookInfo) -> None:
         if not info.is_writer or self.off:
@@ -52,49 +72,100 @@ class TrackerFeed:
         try:
             self._feed(step, info)
         except Exception as error:  # a tracker never stops training
-            self.off = True
-            logging.warning(
-                "tracker %s failed at step %d (%s: %s); training goes on without it. "
-                "metrics.jsonl keeps every record, and a resumed run sends the tracker what "
-                "it missed.", self.tracker.name, step, type(error).__name__, first_line(error))
+            self._turn_off(f"at step {step} ({type(error).__name__}: {first_line(error)})")
 
     def _feed(self, step: int, info: HookInfo) -> None:
-        if self.held_through is None:
-            self.held_through = self._start(info.workdir)
+        if self.sender is None:
             # What earlier runs of this workdir wrote: every step before this first one.
             self._add(_earlier_records(info.workdir, before=step))
+            self.sender = threading.Thread(target=self._send, args=(info.workdir,),
+                                           name=f"tracker {self.tracker.name}", daemon=True)
+            self.sender.start()
         self._add(info.written)
-        if step < info.total_steps:
-            self._send(before=step)
+        last = step == info.total_steps
+        records = self._complete(before=step + 1 if last else step)
+        if not last:
+            for record in records:
+                self._put(record)
             return
-        with tempfile.TemporaryDirectory(prefix="jdp-report-") as out:
-            self._send(before=step + 1, images=report_plots(info.workdir, out))
-            self.tracker.finish()
-
-    def _start(self, workdir: str) -> int:
-        run_ids = _read_json(storage.join(workdir, RUN_IDS_FILE), default={})
-        config = _read_json(storage.join(workdir, "config.json"), default={})
-        run_id, held_through = self.tracker.start(run_ids.get(self.tracker.name), config)
-        if run_ids.get(self.tracker.name) != run_id:
-            _write_json(storage.join(workdir, RUN_IDS_FILE), {**run_ids, self.tracker.name: run_id})
-        return held_through
+        for record in records[:-1]:
+            self._put(record)
+        plots_dir = tempfile.mkdtemp(prefix="jdp-report-")  # the tracker's thread removes it
+        try:
+            if records:
+                records[-1].images = report_plots(info.workdir, plots_dir)
+        except Exception:
+            shutil.rmtree(plots_dir, ignore_errors=True)
+            raise
+        if not self._put(_Finish(records[-1] if records else None, plots_dir)):
+            shutil.rmtree(plots_dir, ignore_errors=True)
+            return
+        self.sender.join(END_WAIT_S)
+        if self.sender.is_alive():
+            self._turn_off(f"at the end: still sending after {END_WAIT_S:g} s")
 
     def _add(self, records) -> None:
         for step, values in records:
-            if step > self.held_through:
-                self.pending.setdefault(step, {}).update(
-                    (k, v) for k, v in values.items() if k != "step")
+            self.pending.setdefault(step, {}).update(
+                (k, v) for k, v in values.items() if k != "step")
 
-    def _send(self, before: int, images: dict[str, str] | None = None) -> None:
-        """Sends the pending steps below `before`; `images` go with the last of them."""
-        ready = sorted(s for s in self.pending if s < before)
-        for step in ready:
+    def _complete(self, before: int) -> list[StepRecord]:
+        """The pending steps below `before`, each as one record."""
+        records = []
+        for step in sorted(s for s in self.pending if s < before):
             values = self.pending.pop(step)
-            self.tracker.log(StepRecord(
+            records.append(StepRecord(
                 step, metrics={k: v for k, v in values.items() if not isinstance(v, str)},
-                texts={k: v for k, v in values.items() if isinstance(v, str)},
-                images=(images or {}) if step == ready[-1] else {}))
-            self.held_through = step
+                texts={k: v for k, v in values.items() if isinstance(v, str)}))
+        return records
+
+    def _put(self, item) -> bool:
+        """Hands `item` to the tracker's thread; False (and the tracker off) if it is
+        `MAX_BEHIND` behind."""
+        try:
+            self.queue.put_nowait(item)
+            return True
+        except queue.Full:
+            self._turn_off(f"{MAX_BEHIND} steps behind")
+            return False
+
+    def _send(self, workdir: str) -> None:
+        """The tracker's thread: start, then every record past what the backend holds."""
+        item = None
+        try:
+            held_through = self._start(workdir)
+            while not isinstance(item := self.queue.get(), _Finish):
+                if item.step > held_through:
+                    self.tracker.log(item)
+                    held_through = item.step
+            if item.record is not None and item.record.step > held_through:
+                self.tracker.log(item.record)
+            self.tracker.finish()
+        except Exception as error:
+            where = ("starting" if item is None else
+                     f"at step {item.step}" if isinstance(item, StepRecord) else "finishing")
+            self._turn_off(f"{where} ({type(error).__name__}: {first_line(error)})")
+        finally:
+            if isinstance(item, _Finish):
+                shutil.rmtree(item.plots_dir, ignore_errors=True)
+
+    def _start(self, workdir: str) -> int:
+        path = storage.join(workdir, RUN_IDS_FILE)
+        config = _read_json(storage.join(workdir, "config.json"), default={})
+        known = _read_json(path, default={}).get(self.tracker.name)
+        run_id, held_through = self.tracker.start(known, config)
+        if run_id != known:
+            with _RUN_IDS_LOCK:  # the trackers' threads share the file
+                _write_json(path, {**_read_json(path, default={}), self.tracker.name: run_id})
+        return held_through
+
+    def _turn_off(self, why: str) -> None:
+        self.off = True
+        if self._warned.acquire(blocking=False):  # never released: the first one warns
+            logging.warning(
+                "tracker %s failed %s; training goes on without it. metrics.jsonl keeps every "
+                "record, and a resumed run sends the tracker what it missed.",
+                self.tracker.name, why)
 
 
 def _earlier_records(workdir: str, before: int) -> list[tuple[int, dict]]:
