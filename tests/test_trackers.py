@@ -29,14 +29,20 @@ TINY = ("--config.batch_size=32", "--config.total_steps=16", "--config.warmup_st
         "--config.log_every_steps=2", "--config.eval_every_steps=8",
         "--config.eval_batch_size=32", "--config.checkpoint.every_steps=8")
 BOTH = "--config.tracker.kind=wandb,mlflow"
+
+
+def settings(workdir) -> tuple[str, ...]:
+    """TINY with both trackers, and the user's tracker writing into the workdir."""
+    return (*TINY, BOTH, f"--config.shared_file={workdir}/shared.jsonl")
 # The values that are the trajectory: the same in a resumed run as in the one it resumes
 # (the times and speeds of a step recomputed after a kill are not).
 TRAJECTORY = ("train/loss", "train/accuracy", "train/learning_rate", "train/grad_norm",
               "eval/loss", "eval/accuracy")
 
-# The shipped ViT with two hooks of a user's: a text at each evaluation (as a model's sample
-# is written), and a SIGKILL at step 12 while the workdir holds a KILL file (once the step-8
-# checkpoint is complete and both trackers have started).
+# The shipped ViT with hooks of a user's: a text at each evaluation (as a model's sample is
+# written); a SIGKILL at step 12 while the workdir holds a KILL file (once the step-8
+# checkpoint is complete and both trackers have started); and README's own tracker, which
+# appends each step to the file `config.shared_file`.
 EXPERIMENT = '''
     import importlib.util
     import json
@@ -44,14 +50,39 @@ EXPERIMENT = '''
     import signal
     import time
 
-    from jdp.hooks import Hook
+    from jdp.hooks import Hook, tracking_hook
 
     _spec = importlib.util.spec_from_file_location("shipped_vit", {vit!r})
     _vit = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_vit)
 
-    get_config = _vit.get_config
     build_model = _vit.build_model
+
+
+    def get_config(arg=None):
+        config = _vit.get_config(arg)
+        config.shared_file = ""
+        return config
+
+
+    class JsonLinesTracker:
+        name = "shared_file"
+
+        def __init__(self, path):
+            self.path = path
+
+        def start(self, run_id, config):      # -> (run id, last step the backend holds)
+            steps = [json.loads(line)["step"] for line in open(self.path)] \\
+                if os.path.exists(self.path) else []
+            return run_id or os.path.basename(self.path), max(steps, default=0)
+
+        def log(self, record):
+            with open(self.path, "a") as f:
+                row = {{"step": record.step, **record.metrics, **record.texts}}
+                f.write(json.dumps(row) + "\\n")
+
+        def finish(self):
+            pass
 
 
     def build_hooks(config):
@@ -65,15 +96,16 @@ EXPERIMENT = '''
                     time.sleep(0.05)
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        return [Hook(sample, every=config.eval_every_steps), Hook(kill, every=1)]
+        return [Hook(sample, every=config.eval_every_steps), Hook(kill, every=1),
+                tracking_hook(JsonLinesTracker(config.shared_file))]
 
 
     def started(workdir):
-        """The step-8 checkpoint is complete (it is saved asynchronously) and both trackers
-        have started (their threads write their run ids)."""
+        """The step-8 checkpoint is complete (it is saved asynchronously) and the three
+        trackers have started (their threads write their run ids)."""
         ids = os.path.join(workdir, "trackers.json")
         return (os.path.isdir(os.path.join(workdir, "checkpoints", "8"))
-                and os.path.exists(ids) and len(json.load(open(ids))) == 2)
+                and os.path.exists(ids) and len(json.load(open(ids))) == 3)
 '''
 
 
@@ -167,7 +199,7 @@ def jsonl_history(records) -> dict[str, list[tuple[int, float]]]:
 @pytest.fixture(scope="module")
 def tracked(experiment, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("tracked")
-    _, records = train(experiment, workdir, *TINY, BOTH)
+    _, records = train(experiment, workdir, *settings(workdir))
     return workdir, records
 
 
@@ -212,6 +244,22 @@ def test_mlflow_holds_the_metric_history_and_the_config_as_params(tracked):
     assert {"report/loss.png", "report/learning_rate.png"} <= plots
 
 
+def shared_file_rows(workdir) -> list[tuple[int, dict]]:
+    with open(workdir / "shared.jsonl") as f:
+        return [(r.pop("step"), r) for r in map(json.loads, f)]
+
+
+@pytest.mark.slow
+def test_a_users_tracker_in_build_hooks_gets_every_record(tracked):
+    """README's own tracker, in the experiment's build_hooks."""
+    workdir, records = tracked
+    expected = by_step(records)
+    for step in (8, 16):
+        expected[step]["eval/sample"] = f"a sample at step {step}"
+    assert dict(shared_file_rows(workdir)) == expected
+    assert [step for step, _ in shared_file_rows(workdir)] == sorted(expected)
+
+
 # -- Killed and resumed -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -219,15 +267,15 @@ def killed_and_resumed(experiment, tracked, tmp_path_factory):
     """The tracked run, SIGKILLed at step 12 (its checkpoint: step 8) and rerun to the end."""
     workdir = tmp_path_factory.mktemp("killed")
     (workdir / "KILL").touch()
-    settings = (f"--config={experiment}", f"--workdir={workdir}", *TINY, BOTH)
+    command = (f"--config={experiment}", f"--workdir={workdir}", *settings(workdir))
     with pytest.MonkeyPatch.context() as patch:
         # Each run starts its own W&B service, as a job's processes do, not the one that
         # the tracked run started in this process (which would outlive the kill).
         patch.delenv("WANDB_SERVICE", raising=False)
-        killed = run_main(*settings)
+        killed = run_main(*command)
         assert killed.returncode == -9, killed.stderr[-3000:]
         (workdir / "KILL").unlink()
-        resumed = run_main(*settings)
+        resumed = run_main(*command)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stderr
     return workdir
@@ -270,6 +318,16 @@ def test_a_killed_run_resumed_continues_its_mlflow_run_with_each_step_once(kille
                                               jsonl_history(read_metrics(workdir)))
 
 
+@pytest.mark.slow
+def test_a_killed_run_resumed_sends_a_users_tracker_each_step_once(killed_and_resumed):
+    workdir = killed_and_resumed
+    history = {}
+    for step, values in shared_file_rows(workdir):
+        for key, value in numbers(values).items():
+            history.setdefault(key, []).append((step, value))
+    assert_each_step_once_with_the_trajectory(history, jsonl_history(read_metrics(workdir)))
+
+
 # -- Failing backends ---------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -299,7 +357,7 @@ def test_trackers_whose_backends_fail_warn_once_each_and_training_goes_on(
 
     monkeypatch.setattr(MlflowClient, "log_batch", full)
     with caplog.at_level(logging.WARNING):
-        _, records = train(experiment, tmp_path, *TINY, BOTH)
+        _, records = train(experiment, tmp_path, *settings(tmp_path))
     assert sorted(w.split(";")[0] for w in warnings_of(caplog)) == [
         "tracker mlflow failed at step 2 (OSError: [Errno 28] No space left on device)",
         "tracker wandb failed starting (ConnectionError: the W&B server is gone)"]

@@ -82,27 +82,30 @@ class TrackerFeed:
                                            name=f"tracker {self.tracker.name}", daemon=True)
             self.sender.start()
         self._add(info.written)
-        last = step == info.total_steps
-        records = self._complete(before=step + 1 if last else step)
-        if not last:
-            for record in records:
+        if step < info.total_steps:
+            for record in self._complete(before=step):
                 self._put(record)
-            return
-        for record in records[:-1]:
+        else:
+            self._end(self._complete(before=step + 1), info.workdir)
+
+    def _end(self, records: list[StepRecord], workdir: str) -> None:
+        """The last records, the last with the report's plots; `finish()`; a bounded wait."""
+        *earlier, last = records or [None]
+        for record in earlier:
             self._put(record)
         plots_dir = tempfile.mkdtemp(prefix="jdp-report-")  # the tracker's thread removes it
+        queued = False
         try:
-            if records:
-                records[-1].images = report_plots(info.workdir, plots_dir)
-        except Exception:
-            shutil.rmtree(plots_dir, ignore_errors=True)
-            raise
-        if not self._put(_Finish(records[-1] if records else None, plots_dir)):
-            shutil.rmtree(plots_dir, ignore_errors=True)
-            return
-        self.sender.join(END_WAIT_S)
-        if self.sender.is_alive():
-            self._turn_off(f"at the end: still sending after {END_WAIT_S:g} s")
+            if last is not None:
+                last.images = report_plots(workdir, plots_dir)
+            queued = self._put(_Finish(last, plots_dir))
+        finally:
+            if not queued:
+                shutil.rmtree(plots_dir, ignore_errors=True)
+        if queued:
+            self.sender.join(END_WAIT_S)
+            if self.sender.is_alive():
+                self._turn_off(f"at the end: still sending after {END_WAIT_S:g} s")
 
     def _add(self, records) -> None:
         for step, values in records:
