@@ -558,5 +558,11 @@ def test_bad_tracker_settings_are_refused_naming_the_field(overrides, workdir, s
     assert says in str(error.value) and "Fix: " in str(error.value)
 
 
-def test_no_tracker_by_default():
+def test_no_tracker_by_default_nor_in_a_tuning_trial():
+    from jdp.tune import space, trial
+
     assert configured.configured_hooks(load_config(VIT), "run") == []
+    config = load_config(VIT, BOTH)
+    assert len(configured.configured_hooks(config, "run")) == 2
+    trial_config = space.configured(config, trial.trial_settings(config, trial_steps=10))
+    assert configured.configured_hooks(trial_config, "run") == []
