@@ -7,6 +7,7 @@ written."""
 import importlib.machinery
 import json
 import logging
+import os
 import sys
 import textwrap
 import threading
@@ -121,6 +122,9 @@ def wandb_offline(tmp_path_factory):
             patch.setenv(name, str(home))
         patch.delenv("MLFLOW_TRACKING_URI", raising=False)
         yield
+    if "wandb" in sys.modules:  # the service an in-process run started, and its variable
+        sys.modules["wandb"].teardown()
+    os.environ.pop("WANDB_SERVICE", None)
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +178,7 @@ def numbers(values: dict) -> dict:
 def mlflow_client(workdir):
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(configured._default_mlflow_uri(str(workdir)))
+    return MlflowClient(configured.default_mlflow_uri(str(workdir)))
 
 
 def mlflow_history(workdir) -> dict[str, list[tuple[int, float]]]:

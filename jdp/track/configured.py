@@ -25,11 +25,8 @@ _MLFLOW_SQL_PACKAGES = ("sqlalchemy", "alembic")
 def tracker_kinds(config) -> list[str]:
     """The kinds `tracker.kind` names, in order ([] for none)."""
     value = config.tracker.kind
-    if isinstance(value, str):
-        names = value.split(",")
-    elif isinstance(value, (list, tuple)) and all(isinstance(n, str) for n in value):
-        names = value
-    else:
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
         fail("tracker.kind", value, "expected tracker names",
              "pass a name, a comma-separated list ('wandb,mlflow') or a list of names")
     return [name.strip() for name in names if name.strip()]
@@ -50,7 +47,7 @@ def check(config, workdir: str) -> None:
         fail("tracker.kind", config.tracker.kind, "names a tracker twice", "name each once")
     if "mlflow" in kinds:
         uri = mlflow_uri(config, workdir)
-        if storage.is_bucket(workdir) and uri == _default_mlflow_uri(workdir):
+        if storage.is_bucket(workdir) and uri == default_mlflow_uri(workdir):
             fail("tracker.mlflow_uri", config.tracker.mlflow_uri, "MLflow's default store is "
                  "a SQLite file in the workdir, which a bucket cannot hold",
                  "set tracker.mlflow_uri (or MLFLOW_TRACKING_URI) to a tracking server or "
@@ -71,10 +68,10 @@ def _check_installed(packages, field: str, value, needs: str, extra: str) -> Non
 def mlflow_uri(config, workdir: str) -> str:
     """`tracker.mlflow_uri`, else $MLFLOW_TRACKING_URI, else a SQLite store in the workdir."""
     return (config.tracker.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
-            or _default_mlflow_uri(workdir))
+            or default_mlflow_uri(workdir))
 
 
-def _default_mlflow_uri(workdir: str) -> str:
+def default_mlflow_uri(workdir: str) -> str:
     return "sqlite:///" + os.path.join(_mlflow_dir(workdir), "mlflow.db")
 
 
@@ -100,7 +97,7 @@ def _wandb(config, workdir: str) -> WandbTracker:
 
 def _mlflow(config, workdir: str) -> MlflowTracker:
     uri = mlflow_uri(config, workdir)
-    default_store = uri == _default_mlflow_uri(workdir)
+    default_store = uri == default_mlflow_uri(workdir)
     return MlflowTracker(uri, config.tracker.project, _run_name(config, workdir),
                          artifact_dir=(os.path.join(_mlflow_dir(workdir), "artifacts")
                                        if default_store else None))
