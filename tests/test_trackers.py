@@ -282,6 +282,8 @@ def killed_and_resumed(experiment, tracked, tmp_path_factory):
         resumed = run_main(*command)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stderr
+    failed = [line for line in resumed.stderr.splitlines() if "] tracker " in line]
+    assert failed == [], resumed.stderr[-6000:]
     return workdir
 
 
