@@ -93,7 +93,9 @@ EXPERIMENT = '''
         def kill(step, info):
             if step == 12 and os.path.exists(os.path.join(info.workdir, "KILL")):
                 deadline = time.monotonic() + 120
-                while not started(info.workdir) and time.monotonic() < deadline:
+                while not started(info.workdir):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("the trackers did not start in 120 s")
                     time.sleep(0.05)
                 os.kill(os.getpid(), signal.SIGKILL)
 

@@ -19,6 +19,7 @@ next resumed run sends what it missed.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import queue
@@ -37,7 +38,10 @@ from jdp.train.hooks import Hook, HookInfo
 RUN_IDS_FILE = "trackers.json"  # {tracker name: its run id}, in the workdir
 MAX_BEHIND = 1000  # steps' records waiting for a tracker before it is turned off
 END_WAIT_S = 120.0  # the end of training waits this long for a tracker (watchdog: 600 s)
-_RUN_IDS_LOCK = threading.Lock()
+# Trackers start one at a time. Starting loads wandb or mlflow, whose pydantic models run
+# ast.parse, and ast.parse on two threads at once can fail in CPython 3.11 ("SystemError:
+# AST constructor recursion depth mismatch"); the starts also share trackers.json.
+_STARTING = threading.Lock()
 
 
 def tracking_hook(tracker: Tracker) -> Hook:
@@ -76,6 +80,8 @@ class TrackerFeed:
 
     def _feed(self, step: int, info: HookInfo) -> None:
         if self.sender is None:
+            # Loaded before any tracker's thread runs: matplotlib runs ast.parse as it loads.
+            importlib.import_module("jdp.report")
             # What earlier runs of this workdir wrote: every step before this first one.
             self._add(_earlier_records(info.workdir, before=step))
             self.sender = threading.Thread(target=self._send, args=(info.workdir,),
@@ -136,7 +142,8 @@ class TrackerFeed:
         """The tracker's thread: start, then every record past what the backend holds."""
         item = None
         try:
-            held_through = self._start(workdir)
+            with _STARTING:
+                held_through = self._start(workdir)
             while not isinstance(item := self.queue.get(), _Finish):
                 if item.step > held_through:
                     self.tracker.log(item)
@@ -158,8 +165,7 @@ class TrackerFeed:
         known = _read_json(path, default={}).get(self.tracker.name)
         run_id, held_through = self.tracker.start(known, config)
         if run_id != known:
-            with _RUN_IDS_LOCK:  # the trackers' threads share the file
-                _write_json(path, {**_read_json(path, default={}), self.tracker.name: run_id})
+            _write_json(path, {**_read_json(path, default={}), self.tracker.name: run_id})
         return held_through
 
     def _turn_off(self, why: str) -> None:
