@@ -100,6 +100,7 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
     from jdp.checkpoint.resume import check_resumable
     from jdp.data.text import lm as text_lm
     from jdp.experiment import components as components_lib
+    from jdp.track import configured as trackers
     from jdp.train import loop
 
     # Paths enter here: relative ones are made absolute once, so a run behaves the same from
@@ -121,6 +122,7 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
     experiment = loader.load(config_path)
     device_count = jax.device_count() if devices is None else len(devices)
     split = config_lib.validate(config, device_count, jax.process_count())
+    trackers.check(config, workdir)
     # Before anything compiles, so that the train step is read from the cache or added to it.
     compile_cache.enable(compile_cache.resolve_dir(config.compile_cache_dir))
     config_json = config.to_json_best_effort(indent=2, sort_keys=True)
@@ -136,7 +138,8 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
     # The data, task and model, checked (text data prepares its token store here).
     components = components_lib.build(experiment, config, workdir=workdir)
     check_best_metric(config.checkpoint.keep_best, components.eval_keys())
-    hooks = _call_build_hooks(experiment, config)
+    # The trackers last: they send what the hooks before them wrote.
+    hooks = [*_call_build_hooks(experiment, config), *trackers.configured_hooks(config, workdir)]
 
     if jax.process_index() == 0:
         _make_workdir(workdir)

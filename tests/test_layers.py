@@ -21,8 +21,11 @@ LAYERS = [
     ("jdp.experiment", "jdp.task"),
     ("jdp.parallel",),
     ("jdp.checkpoint", "jdp.observe"),
-    ("jdp.train", "jdp.hooks"),
-    ("jdp.dryrun", "jdp.report", "jdp.sample", "jdp.text", "jdp.evaluate"),
+    ("jdp.train",),
+    # jdp.hooks, the experiments' import, also offers the trackers, which send the report's
+    # plots.
+    ("jdp.dryrun", "jdp.report", "jdp.sample", "jdp.text", "jdp.evaluate", "jdp.track",
+     "jdp.hooks"),
     ("jdp.bench", "jdp.main"),
     ("jdp.tune",),  # runs jdp.main's trainer for its trials
 ]

@@ -42,6 +42,16 @@ def defaults() -> ml_collections.ConfigDict:
     c.skip_nonfinite_steps = 0  # non-finite updates to skip (and count) before stopping
     c.tensorboard = True  # TensorBoard event files in <workdir>/tensorboard
 
+    # Trackers that get what metrics.jsonl gets, plus the config, texts and the report's
+    # plots (jdp/track/): "wandb", "mlflow", both ("wandb,mlflow" or a list); "" = none.
+    # Process 0 sends; a failing tracker warns once and training goes on.
+    c.tracker = ml_collections.ConfigDict()
+    c.tracker.kind = ml_collections.FieldReference("", field_type=object)
+    c.tracker.project = "jdp"  # the W&B project, the MLflow experiment
+    c.tracker.run_name = ""  # "" = the workdir's name
+    # "" = $MLFLOW_TRACKING_URI, else SQLite in <workdir>/mlflow (mlflow.db, artifacts/)
+    c.tracker.mlflow_uri = ""
+
     c.profile = ml_collections.ConfigDict()
     c.profile.start_step = 0  # a jax.profiler trace of steps start_step+1 .. +num_steps
     c.profile.num_steps = 0  # 0 = no trace

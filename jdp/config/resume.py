@@ -10,7 +10,7 @@ from jdp.config.defaults import defaults
 # spread over devices; where the data and compiled programs live; how long it runs. Everything else
 # shapes the trajectory and must match the run being resumed.
 RESUMABLE_CHANGES = ("total_steps", "log_every_steps", "eval_every_steps", "eval_batch_size",
-                     "crash_on_nan", "skip_nonfinite_steps", "tensorboard", "profile",
+                     "crash_on_nan", "skip_nonfinite_steps", "tensorboard", "tracker", "profile",
                      "watchdog_timeout_s", "checkpoint", "parallel", "data.data_dir",
                      "data.num_threads", "data.num_workers", "data.in_memory",
                      "data.token_dir", "data.rebuild_tokens",

@@ -50,6 +50,27 @@ class MultiWriter:
             writer.close()
 
 
+class RecentWrites:
+    """Keeps what it is given until `clear()`: `(step, values)` records in the order written,
+    a text as a string value (`{name: text}`). The loop gives it every record of a step, and
+    the step's hooks read them (`HookInfo.written`)."""
+
+    def __init__(self):
+        self.records: list[tuple[int, dict[str, float | str]]] = []
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self.records.append((int(step), {k: float(v) for k, v in metrics.items()}))
+
+    def write_text(self, step: int, name: str, text: str) -> None:
+        self.records.append((int(step), {name: text}))
+
+    def clear(self) -> None:
+        self.records = []
+
+    def close(self) -> None:
+        pass
+
+
 class TensorBoardWriter:
     """Scalars as TensorBoard event files in `logdir` (tensorboardX: no TensorFlow needed).
 

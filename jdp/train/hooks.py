@@ -19,7 +19,9 @@ jdp's own; a hook may issue collectives (all processes call it alike). `info`
 reads the device only when asked: `info.state` (the train state as global
 arrays, valid during the call) and `info.metrics` (the last log window's means,
 when there are new ones) each cost a device sync; a hook that reads neither
-leaves the loop asynchronous.
+leaves the loop asynchronous. `info.written` is what the writers were given since
+the previous step's hooks, this step's hooks before this one included: a tracker
+(`jdp.track`) is a hook that reads it.
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class HookInfo:
     def __init__(self, *, step: int, workdir: str, is_writer: bool, total_steps: int,
                  state_fn: Callable[[], Any], metrics_fn: Callable[[], dict | None],
                  write_fn: Callable[[int, dict], None],
-                 write_text_fn: Callable[[int, str, str], None]):
+                 write_text_fn: Callable[[int, str, str], None],
+                 written_fn: Callable[[], list[tuple[int, dict]]]):
         self.step = step
         self.workdir = workdir
         self.is_writer = is_writer  # this process writes metrics.jsonl and TensorBoard
@@ -78,6 +81,7 @@ class HookInfo:
         self._metrics_fn = metrics_fn
         self._write_fn = write_fn
         self._write_text_fn = write_text_fn
+        self._written_fn = written_fn
 
     @property
     def state(self):
@@ -88,6 +92,14 @@ class HookInfo:
     def metrics(self) -> dict[str, float] | None:
         """The last log window's train metrics, when new since a hook last saw them."""
         return self._metrics_fn()
+
+    @property
+    def written(self) -> list[tuple[int, dict[str, float | str]]]:
+        """What the writers were given since the previous step's hooks ran, in order:
+        `(step, values)`, a text as a string value. That is the train report of the last
+        log step (read one step late), this step's evaluation and what the hooks before
+        this one wrote; no device sync."""
+        return self._written_fn()
 
     def write(self, values: dict[str, float]) -> None:
         """Writes `values` at this step to metrics.jsonl and TensorBoard (writer only)."""

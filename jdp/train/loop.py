@@ -28,7 +28,7 @@ from jdp.experiment.components import Components
 from jdp.experiment.loader import Experiment
 from jdp.observe import console, throughput
 from jdp.observe.profiling import StepProfiler
-from jdp.observe.writers import JsonlWriter, MultiWriter, TensorBoardWriter, Writer
+from jdp.observe.writers import JsonlWriter, MultiWriter, RecentWrites, TensorBoardWriter, Writer
 from jdp.parallel import mesh as mesh_lib
 from jdp.parallel.factory import build_backend
 from jdp.parallel.state import TrainState
@@ -184,7 +184,8 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, components:
         train_split.batches(global_batch_size=split.global_batch_size, rows=rows,
                             start_step=start_step, num_steps=total_steps - start_step),
         backend.put_batch)
-    writer = _writers(config, workdir, is_writer, start_step)
+    recent = RecentWrites()  # a step's records, for its hooks (HookInfo.written)
+    writer = MultiWriter([_writers(config, workdir, is_writer, start_step), recent])
     clock = throughput.WindowClock(split.global_batch_size, mesh.size)
     watchdog = Watchdog(config.watchdog_timeout_s) if config.watchdog_timeout_s else None
     heartbeat = watchdog.heartbeat if watchdog else (lambda step: None)
@@ -236,7 +237,8 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, components:
         return HookInfo(step=step, workdir=workdir, is_writer=is_writer, total_steps=total_steps,
                         state_fn=lambda: backend.to_global(live.state),
                         metrics_fn=new_metrics, write_fn=writer.write,
-                        write_text_fn=writer.write_text)
+                        write_text_fn=writer.write_text,
+                        written_fn=lambda: list(recent.records))
 
     # -- 5. Compile ahead of time, then the loop ---------------------------------
     try:
@@ -280,6 +282,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, components:
             reports_before = report.count
             window.flush()  # the previous log step's report, one step late
             hook_list.run(done, info_for(done, reports_before))
+            recent.clear()
         window.flush()
     except HookError:
         window.flush()  # the report of the last log window is not lost

@@ -47,13 +47,14 @@ class Timing:
 
 def trial_settings(config, trial_steps: int) -> dict:
     """Overrides that make a run a trial: `trial_steps` steps in `_WINDOWS` log windows,
-    no evaluation but the final one, no TensorBoard, no profile. The learning-rate
-    schedule is shortened with the run; the step's cost does not depend on it."""
+    no evaluation but the final one, no TensorBoard, no tracker, no profile. The
+    learning-rate schedule is shortened with the run; the step's cost does not depend on
+    it."""
     return {"total_steps": trial_steps,
             "warmup_steps": min(config.warmup_steps, trial_steps - 1),
             "log_every_steps": max(1, trial_steps // _WINDOWS),
             "eval_every_steps": 0, "checkpoint.every_steps": 0, "checkpoint.keep_best": "",
-            "tensorboard": False, "profile.num_steps": 0}
+            "tensorboard": False, "tracker.kind": "", "profile.num_steps": 0}
 
 
 def speed_of(records: list[dict]) -> Speed | None:
