@@ -6,11 +6,9 @@ import contextlib
 import os
 
 import orbax.checkpoint as ocp
-from etils import epath
-from orbax.checkpoint.checkpoint_manager import DEFAULT_ITEM_NAME
 
-from jdp.checkpoint import layout, packing
-from jdp.checkpoint.layout import CheckpointError, PyTree
+from jdp.checkpoint import layout, packing, saved_params
+from jdp.checkpoint.layout import PyTree
 
 
 def load_params(path: str | os.PathLike, abstract_params: PyTree) -> PyTree:
@@ -19,7 +17,7 @@ def load_params(path: str | os.PathLike, abstract_params: PyTree) -> PyTree:
     `path` is a checkpoint directory (its newest complete step is used) or one step
     directory in it. Names and shapes must match the model's exactly.
     """
-    item_dir = _params_item_dir(epath.Path(path))
+    item_dir = saved_params.item_dir(path)
     shapes, index = layout.saved_layout(item_dir)
     saved = {name: shape for name, shape in shapes.items() if name.startswith("params/")}
     target = {"params": abstract_params}
@@ -33,23 +31,3 @@ def load_params(path: str | os.PathLike, abstract_params: PyTree) -> PyTree:
                 partial_restore=True))["params"]
     except Exception as error:
         raise layout.unreadable(item_dir, error) from error
-
-
-def _params_item_dir(path: epath.Path) -> epath.Path:
-    """The item directory of the step that `path` names, or of its newest complete step."""
-    if not path.exists():
-        raise CheckpointError(
-            f"Cannot load params: {path} does not exist. Point checkpoint.init_from at a "
-            "jdp checkpoint directory or one of its step directories."
-        )
-    if (path / DEFAULT_ITEM_NAME).is_dir() and ocp.step.is_path_finalized(path):
-        return path / DEFAULT_ITEM_NAME
-    steps = ocp.utils.checkpoint_steps(path)
-    if not steps:
-        raise CheckpointError(
-            f"Cannot load params: {path} holds no complete checkpoint. Point "
-            "checkpoint.init_from at a jdp checkpoint directory or one of its step directories."
-        )
-    return path / str(max(steps)) / DEFAULT_ITEM_NAME
-
-

@@ -11,22 +11,16 @@ once, and later samples read them back.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 
 import jax
-import ml_collections
 import numpy as np
 
-from jdp.checkpoint import CHECKPOINT_DIR, load_params
+from jdp import trained_run
 from jdp.data.text import lm, tokenizers
 from jdp.errors import ConfigError
-from jdp.experiment import loader
 from jdp.models import decoding
 from jdp.models.transformer import Transformer
 from jdp.runtime import compile_cache
-
-RUN_FILE = "run.json"  # in the workdir: which experiment file trained it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,21 +61,7 @@ def sampler_for(config, build_model, params, workdir: str) -> Sampler:
 
 def load(workdir: str) -> Sampler:
     """The sampler of a run: its experiment, config, tokenizer and newest params."""
-    run_file, config_file = (os.path.join(workdir, name) for name in (RUN_FILE, "config.json"))
-    for path in (run_file, config_file):
-        if not os.path.isfile(path):
-            raise ConfigError(f"--workdir={workdir!r} has no {os.path.basename(path)}. Fix: "
-                              "point --workdir at the workdir of a jdp training run.")
-    with open(run_file) as f:
-        experiment = loader.load(json.load(f)["experiment_file"])
-    with open(config_file) as f:
-        config = ml_collections.ConfigDict(json.load(f))
-    compile_cache.enable(compile_cache.resolve_dir(config.get("compile_cache_dir", "")))
-    model = experiment.build_model(config)
-    tokens = np.zeros((1, min(config.data.seq_len, model.max_len)), np.int32)
-    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, train=False))
-    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    params = load_params(os.path.join(workdir, CHECKPOINT_DIR), jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device),
-        abstract["params"]))
-    return sampler_for(config, experiment.build_model, params, workdir)
+    run = trained_run.open_run(workdir)
+    compile_cache.enable(compile_cache.resolve_dir(run.config.get("compile_cache_dir", "")))
+    return sampler_for(run.config, run.experiment.build_model,
+                       run.params(run.experiment.build_model(run.config)), run.workdir)

@@ -184,6 +184,11 @@ class HfTokenizer(_FileTokenizer):
             raise ValueError(f"the tokenizer {self.path} has none of the end-of-document "
                              f"tokens {list(_HF_EOS_CANDIDATES)}; add one as a special token")
 
+    @property
+    def eos_token(self) -> str:
+        """The spelling of the end-of-document token."""
+        return self._tokenizer.id_to_token(self.eos_id)
+
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
 
