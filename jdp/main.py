@@ -89,7 +89,7 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
         device_memory_gib: float | None = None, step_time_s: float | None = None):
     """Everything after flag parsing; tests call this directly. Returns a loop.TrainResult,
     or with `dry_run` the `preflight.Preflight` plan (nothing trained or written)."""
-    from jdp.checkpoint import check_best_metric
+    from jdp.checkpoint import check_best_metric, hf_import
     from jdp.checkpoint.resume import check_resumable
     from jdp.experiment import components as components_lib
     from jdp.train import loop
@@ -98,9 +98,12 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
     if applied:
         logging.info("applied %s: %s", config.tune, applied)
     storage.check_supported(workdir, "--workdir")
-    if config.checkpoint.init_from:
-        storage.check_supported(config.checkpoint.init_from, "config.checkpoint.init_from")
+    if config.checkpoint.init_from:  # a jdp checkpoint or hf:DIR, a transformers model
+        storage.check_supported(config.checkpoint.init_from.removeprefix("hf:"),
+                                "config.checkpoint.init_from")
     storage.configure()  # before any GCS client is imported
+    if hf_import.is_hf(config.checkpoint.init_from):  # a bad directory fails before writing
+        hf_import.transformer_fields(config.checkpoint.init_from)
     experiment = loader.load(config_path)
     device_count = jax.device_count() if devices is None else len(devices)
     split = config_lib.validate(config, device_count, jax.process_count())

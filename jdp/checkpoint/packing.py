@@ -110,7 +110,7 @@ def restore(handler: ocp.PyTreeCheckpointHandler, item_dir: epath.Path, target: 
     for dtype, members in needed.items():
         for name, value in unpacked(read.pop(f"{PACKED}/{dtype}"), members):
             if name in wanted:
-                read[name] = _place(value, wanted[name])
+                read[name] = place(value, wanted[name])
     # Orbax's flat names come in the tree's own leaf order.
     return jax.tree.unflatten(jax.tree.structure(target), [read[name] for name in wanted])
 
@@ -124,7 +124,7 @@ def unpacked(values: np.ndarray, members: list):
         offset += size
 
 
-def _place(value: np.ndarray, abstract) -> jax.Array:
+def place(value: np.ndarray, abstract) -> jax.Array:
     host = value.astype(abstract.dtype)
     return jax.make_array_from_callback(host.shape, abstract.sharding, lambda index: host[index])
 
