@@ -52,7 +52,7 @@ def write(path: str, tensors: Sequence[tuple[str, tuple[int, ...]]], dtype,
             value = np.ascontiguousarray(make(i), dtype=dtype.newbyteorder("<"))
             if value.shape != tuple(shape):
                 raise ValueError(f"{name}: made shape {value.shape}, the header says {shape}")
-            f.write(memoryview(value.reshape(-1)).cast("B"))
+            f.write(value.tobytes())  # one tensor at a time: the copy is bounded by it
     return offset
 
 
