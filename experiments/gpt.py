@@ -69,6 +69,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.eval = ml_collections.ConfigDict()
     config.eval.sample_prompt = "def "  # a greedy sample at each evaluation ("" = none)
     config.eval.sample_tokens = 64
+    config.export = ml_collections.ConfigDict()
+    # > 0: every N steps (and at the end) a transformers export in <workdir>/hf/<step>,
+    # checked as `python -m jdp.export` checks it; the newest checkpoint.max_to_keep kept.
+    config.export.hf_every_steps = 0
 
     if variant == "gpt2_small":  # GPT-2 small (124M parameters) at 1024 tokens
         config.model.size = "gpt2_small"
@@ -106,6 +110,13 @@ def _model_fields(config) -> dict:
                     f"config.model.{key}={config.model[key]}: the model in "
                     f"{config.checkpoint.init_from} has {key}={fields[key]}. Fix: pass "
                     f"--config.model.{key}=0 (the checkpoint's).")
+        needed = lm.tokenizer_vocab_size(config.data)
+        if fields["vocab_size"] < needed:
+            raise ConfigError(
+                f"config.data.tokenizer={config.data.tokenizer!r} has {needed} ids but the model "
+                f"in {config.checkpoint.init_from} embeds {fields['vocab_size']}: the vocabulary "
+                f"does not match the tokenizer. Fix: its own tokenizer, "
+                f"--config.data.tokenizer=hf_dir:{config.checkpoint.init_from[3:]}")
         return fields
     return {"positions": config.model.positions, "tie_embeddings": config.model.tie_embeddings,
             "vocab_size": config.model.vocab_size or lm.tokenizer_vocab_size(config.data),
@@ -130,9 +141,13 @@ def build_task(config) -> task.Task:
 
 
 def build_hooks(config) -> list[Hook]:
-    """A short greedy sample of the model at each evaluation, in the log and TensorBoard."""
+    """A short greedy sample of the model at each evaluation, in the log and TensorBoard;
+    the transformers exports of `export.hf_every_steps`."""
+    from jdp.export.hook import hf_export_hook
+
+    hooks = [hook for hook in (hf_export_hook(config, build_model),) if hook is not None]
     if not config.eval.sample_prompt:
-        return []
+        return hooks
 
     def sample(step, info):
         from jdp.sample import sampler_for
@@ -142,7 +157,7 @@ def build_hooks(config) -> list[Hook]:
         logging.info("sample at step %d: %r", step, config.eval.sample_prompt + text)
         info.write_text("eval/sample", config.eval.sample_prompt + text)
 
-    return [Hook(sample, every=config.eval_every_steps, at_end=True)]
+    return [Hook(sample, every=config.eval_every_steps, at_end=True), *hooks]
 
 
 def flops_per_example(config) -> float:

@@ -44,8 +44,7 @@ class TrainedRun:
 
     def tokenizer(self) -> tokenizers.Tokenizer:
         """The run's tokenizer (a trained "bpe:N" one is in its token dir)."""
-        return tokenizers.from_spec(self.config.data.tokenizer, "data.tokenizer",
-                                    lm.token_dir(self.config.data, self.workdir))
+        return lm.run_tokenizer(self.config.data, self.workdir)
 
     def saved_params(self, step: int | None = None) -> SavedParams:
         """The params of checkpoint `step` (default: the newest), read leaf by leaf."""
@@ -66,10 +65,7 @@ class TrainedRun:
 
     def eval_store(self) -> store.TokenStore:
         """The token store of the run's held-out text."""
-        directory = lm.token_dir(self.config.data, self.workdir)
-        if self.config.data.eval_text_files:
-            return store.open_store(os.path.join(directory, "eval"))
-        return store.open_split(lm.split_dir(directory))[1]
+        return lm.eval_store(self.config.data, self.workdir)
 
 
 def open_run(workdir: str) -> TrainedRun:

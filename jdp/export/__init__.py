@@ -34,7 +34,10 @@ from jdp.models import hf
 from jdp.models.transformer import Transformer
 
 DTYPES = ("float32", "bfloat16")
-CHECK_SEQUENCES = 4  # sequences of the held-out text that the self-check compares
+# The self-check compares the logits of this many sequences of up to CHECK_LENGTH tokens
+# of held-out text: at GPT-2's vocabulary each sequence's logits take 51 MB.
+CHECK_SEQUENCES = 2
+CHECK_LENGTH = 256
 GENERATION_CONFIG = "generation_config.json"
 
 
@@ -135,7 +138,7 @@ def write_directory(out: str, model: Transformer, read_leaf: Callable[[str], np.
         tokenizer_files.write(tokenizer, partial, max_len=model.max_len)
         difference = None
         if verify.available():
-            tokens = check_sequences(held_out, min(model.max_len, len(held_out)))
+            tokens = check_sequences(held_out, min(model.max_len, CHECK_LENGTH, len(held_out)))
             names = [leaf for link in links for leaf in link.leaves]
             ours = jdp_logits(model, read_leaf, names, tokens, numpy_dtype)
             difference = verify.check(partial, tokens, ours)
@@ -174,5 +177,5 @@ def export_run(workdir: str, out: str, *, step: int | None = None, dtype: str = 
     with run.saved_params(step) as saved:
         held_out = run.eval_store().tokens
         return write_directory(os.path.abspath(out), model, saved.read, run.tokenizer(),
-                               held_out[:CHECK_SEQUENCES * model.max_len], dtype=dtype,
+                               held_out[:CHECK_SEQUENCES * CHECK_LENGTH], dtype=dtype,
                                overwrite=overwrite, max_shard_bytes=max_shard_bytes, log=log)
