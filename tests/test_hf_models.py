@@ -19,7 +19,8 @@ transformers = pytest.importorskip("transformers", reason="needs transformers (t
 from jdp.checkpoint import CheckpointError, hf_import, tensor_file  # noqa: E402
 from jdp.data.text import tokenizers  # noqa: E402
 from jdp.errors import ConfigError  # noqa: E402
-from jdp.export import tokenizer_files, weights, write_directory  # noqa: E402
+from jdp.export import tokenizer_files, weights  # noqa: E402
+from jdp.export.directory import write_directory  # noqa: E402
 from jdp.models import hf  # noqa: E402
 from jdp.models.transformer import LLAMA, Transformer  # noqa: E402
 
@@ -249,24 +250,27 @@ def test_an_hf_architecture_jdp_cannot_compute_exactly_is_refused(config, key, t
 TEXT = "def f(x):\n\treturn x + 1  # é, ü, 日本語, \x00 and \U0001F600\n"
 
 
-@pytest.mark.parametrize("spec", ["bytes", "bpe"])
-def test_auto_tokenizer_encodes_text_to_jdps_ids(spec, tmp_path):
-    if spec == "bytes":
+@pytest.mark.parametrize("kind", ["bytes", "bpe", "sentencepiece"])
+def test_auto_tokenizer_encodes_text_to_jdps_ids(kind, tmp_path):
+    if kind == "bytes":
         tokenizer = tokenizers.ByteTokenizer()
     else:
         corpus = tmp_path / "corpus.txt"
-        corpus.write_text(TEXT * 20 + "class C:\n    pass\n" * 20)
+        corpus.write_text(TEXT * 20 + "class C:\n    pass\n" * 20 + "  spaces\t\ttabs\n" * 20)
         made = tokenizers.train_tokenizer([str(corpus)], vocab_size=300,
-                                          out=str(tmp_path / "bpe.json"), kind="bpe")
+                                          out=str(tmp_path / "model"), kind=kind)
         tokenizer = tokenizers.from_spec(made)
-    tokenizer_files.write(tokenizer, str(tmp_path), max_len=64)
-    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
-    for text in (TEXT, "", " leading space", "x" * 100):
+    out = tmp_path / "out"
+    out.mkdir()
+    tokenizer_files.write(tokenizer, str(out), max_len=64)
+    auto = transformers.AutoTokenizer.from_pretrained(str(out))
+    for text in (TEXT, "", " leading space", "a  b\n\n\tc ", "x" * 100):
         assert auto(text)["input_ids"] == tokenizer.encode(text).tolist()
-        assert auto.decode(tokenizer.encode(text)) == text
+        assert auto.decode(tokenizer.encode(text), skip_special_tokens=True) == text
     assert auto.eos_token_id == tokenizer.eos_id
-    # hf_dir:DIR reads the directory's tokenizer.json back as jdp's.
-    again = tokenizers.from_spec(f"hf_dir:{tmp_path}")
+    # hf_dir:DIR reads the directory's tokenizer back as jdp's.
+    again = tokenizers.from_spec(f"hf_dir:{out}")
+    assert type(again) is type(tokenizer) or kind == "bytes"
     assert again.encode(TEXT).tolist() == tokenizer.encode(TEXT).tolist()
     assert again.eos_id == tokenizer.eos_id
 

@@ -20,19 +20,20 @@ def main(argv=None) -> int:
     parser.add_argument("--max_shard_mb", type=float, default=5000.0,
                         help="split model.safetensors into shards of at most this many MB")
     args = parser.parse_args(argv)
-    # The self-check's small forward pass runs on the CPU: leave accelerators alone.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    from jdp import export
+    # All of it (the self-check's forward pass too) runs on the CPU: accelerators, which
+    # a training run may be using, are left alone.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from jdp.checkpoint import CheckpointError
+    from jdp.export import directory, verify
 
     try:
-        result = export.export_run(args.workdir, args.out, step=args.step, dtype=args.dtype,
+        result = directory.export_run(args.workdir, args.out, step=args.step, dtype=args.dtype,
                                    overwrite=args.overwrite,
                                    max_shard_bytes=int(args.max_shard_mb * 10**6))
     except (ConfigError, CheckpointError) as e:
         print(f"jdp: error: {e}", file=sys.stderr)
         return BAD_CONFIG
-    except export.verify.ExportMismatch as e:
+    except verify.ExportMismatch as e:
         print(f"jdp: error: the export failed its check, nothing was written to {args.out}: "
               f"{e}", file=sys.stderr)
         return FAILED

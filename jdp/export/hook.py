@@ -29,7 +29,7 @@ def hf_export_hook(config, build_model) -> Hook | None:
         from jax.experimental import multihost_utils
 
         from jdp.checkpoint import packing
-        from jdp.export import CHECK_LENGTH, CHECK_SEQUENCES, write_directory
+        from jdp.export.directory import CHECK_LENGTH, CHECK_SEQUENCES, write_directory
 
         leaves = {name: np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
                   for name, leaf in packing.flat(info.state.params).items()}

@@ -1,11 +1,12 @@
 """A run's tokenizer as the files `transformers.AutoTokenizer` reads: tokenizer.json (the
-fast tokenizer) and tokenizer_config.json.
+fast tokenizer) or tokenizer.model (SentencePiece), and tokenizer_config.json.
 
 The byte tokenizer becomes a byte-level BPE without merges whose ids are the bytes
 (GPT-2's byte-to-character table) plus <|endoftext|> at 256; a "bpe:N" or "hf:PATH"
-tokenizer's tokenizer.json is copied as it is. Neither adds special tokens when
-encoding, as jdp's tokenizers do not: `AutoTokenizer` encodes text to the ids of jdp's
-token store.
+tokenizer's tokenizer.json is copied as it is; a SentencePiece model is copied as
+tokenizer.model for `LlamaTokenizer` without the prefix space and the bos it would
+add. None adds special tokens when encoding, as jdp's tokenizers do not:
+`AutoTokenizer` encodes text to the ids of jdp's token store.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from jdp.errors import ConfigError
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+SENTENCEPIECE_MODEL = "tokenizer.model"
 
 
 def byte_to_character() -> dict[int, str]:
@@ -52,15 +54,22 @@ def _write_byte_tokenizer(path: str) -> str:
 def write(tokenizer: tokenizers.Tokenizer, out: str, *, max_len: int) -> None:
     """Writes `tokenizer` into directory `out` for AutoTokenizer."""
     path = os.path.join(out, TOKENIZER_JSON)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
+              "clean_up_tokenization_spaces": False}
     if isinstance(tokenizer, tokenizers.ByteTokenizer):
         eos = _write_byte_tokenizer(path)
     elif isinstance(tokenizer, tokenizers.HfTokenizer):
         shutil.copyfile(tokenizer.path, path)
         eos = tokenizer.eos_token
+    elif isinstance(tokenizer, tokenizers.SentencePieceTokenizer):
+        shutil.copyfile(tokenizer.path, os.path.join(out, SENTENCEPIECE_MODEL))
+        eos = tokenizer.eos_token
+        # jdp's SentencePiece models have no dummy prefix and add no bos.
+        config.update(tokenizer_class="LlamaTokenizer", legacy=False, add_prefix_space=False,
+                      add_bos_token=False, add_eos_token=False, unk_token=tokenizer.unk_token)
     else:
-        raise ConfigError(f"data.tokenizer={tokenizer.spec!r}: the export writes byte, bpe:N and "
-                          "hf: tokenizers (as tokenizer.json). Fix: train with one of those.")
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": eos,
-              "model_max_length": max_len, "clean_up_tokenization_spaces": False}
+        raise ConfigError(f"data.tokenizer={tokenizer.spec!r}: the export writes byte, bpe:N, "
+                          "hf: and sentencepiece: tokenizers. Fix: train with one of those.")
+    config.update(eos_token=eos, bos_token=eos)
     with open(os.path.join(out, TOKENIZER_CONFIG), "w") as f:
         json.dump(config, f, indent=2)

@@ -149,6 +149,15 @@ class SentencePieceTokenizer(_FileTokenizer):
                              "trained with eos_id=-1); train one with an eos, e.g. with "
                              "jdp.data.text.tokenizers.train_tokenizer")
 
+    @property
+    def eos_token(self) -> str:
+        """The spelling of the end-of-document piece."""
+        return self._processor.id_to_piece(self.eos_id)
+
+    @property
+    def unk_token(self) -> str:
+        return self._processor.id_to_piece(self._processor.unk_id())
+
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._processor.encode(text), np.int32)
 
@@ -238,8 +247,13 @@ def from_spec(spec: str, field: str = "data.tokenizer", directory: str | None = 
                               "token store first (train, or python -m jdp.text prepare).")
         return HfTokenizer(path)
     scheme, sep, path = str(spec).partition(":")
-    if scheme == "hf_dir" and path:  # a transformers model directory: its tokenizer.json
-        scheme, path = "hf", os.path.join(path, "tokenizer.json")
+    if scheme == "hf_dir" and path:  # a transformers model directory: its tokenizer.json,
+        # else its SentencePiece tokenizer.model
+        sentencepiece_model = os.path.join(os.path.expanduser(path), "tokenizer.model")
+        scheme, path = (("sentencepiece", sentencepiece_model) if os.path.isfile(
+            sentencepiece_model) and not os.path.isfile(os.path.join(
+                os.path.expanduser(path), "tokenizer.json"))
+            else ("hf", os.path.join(path, "tokenizer.json")))
     if not sep or scheme not in _FILE_KINDS:
         raise ConfigError(f"{where}: unknown tokenizer. Fix: use one of {', '.join(SCHEMES)}, "
                           "or bpe:N.")
