@@ -41,7 +41,7 @@ def exported(request, corpus, tmp_path_factory):
     """(workdir, export dir) of a 4-step run on 8 devices with FSDP, exported by the CLI."""
     workdir = tmp_path_factory.mktemp(request.param)
     proc = run_main(f"--config={GPT}", f"--workdir={workdir}", *settings(corpus),
-                    "--config.total_steps=4", *FSDP, *RUNS[request.param])
+                    "--config.total_steps=4", *FSDP, *RUNS[request.param], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = workdir / "hf"
     proc = export_command(f"--workdir={workdir}", f"--out={out}")
@@ -51,7 +51,7 @@ def exported(request, corpus, tmp_path_factory):
 
 
 def export_command(*args) -> subprocess.CompletedProcess:
-    return run_to_end([sys.executable, "-m", "jdp.export", *args], env=main_env(1), timeout=300)
+    return run_to_end([sys.executable, "-m", "jdp.export", *args], env=main_env(1), timeout=600)
 
 
 def run_logits(workdir, tokens) -> np.ndarray:
@@ -96,7 +96,7 @@ def test_greedy_generation_in_transformers_equals_jdp_sample(exported):
     workdir, out = exported
     sample = run_to_end([sys.executable, "-m", "jdp.sample", f"--workdir={workdir}",
                          "--prompt=def ", "--max_new_tokens=12", "--temperature=0"],
-                        env=main_env(1), timeout=300)
+                        env=main_env(1), timeout=600)
     assert sample.returncode == 0, sample.stderr[-3000:]
     auto = transformers.AutoTokenizer.from_pretrained(out)
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -144,13 +144,13 @@ def test_lm_eval_scores_an_export_on_the_runs_held_out_text(exported, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_fine_tuning_a_transformers_model_follows_one_trajectory_on_1_and_8_devices(
+def test_fine_tuning_a_transformers_model_follows_one_trajectory_on_1_and_8_fsdp_devices(
         kind, corpus, tmp_path):
     _, directory = save_transformers_model(tmp_path / kind, kind)
     overrides = (*settings(corpus), f"--config.checkpoint.init_from=hf:{directory}",
                  f"--config.data.tokenizer=hf_dir:{directory}", "--config.total_steps=20",
                  "--config.log_every_steps=5")
-    eight = train(GPT, tmp_path / "eight", *overrides)
+    eight = train(GPT, tmp_path / "eight", *overrides, *FSDP)
     one = train(GPT, tmp_path / "one", *overrides, devices=jax.devices()[:1])
     assert_same_trajectory(one, eight, logged_steps=(5, 10, 15, 20))
     first = min(r["step"] for r in eight[1] if "train/loss" in r)
@@ -232,7 +232,7 @@ def test_an_hf_model_whose_vocabulary_does_not_match_the_tokenizer_fails_at_star
 def test_a_live_run_exports_every_n_steps_keeping_the_newest(corpus, tmp_path):
     proc = run_main(f"--config={GPT}", f"--workdir={tmp_path}", *settings(corpus),
                     "--config.total_steps=4", "--config.export.hf_every_steps=2",
-                    "--config.checkpoint.max_to_keep=1", *FSDP)
+                    "--config.checkpoint.max_to_keep=1", *FSDP, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(os.listdir(tmp_path / "hf")) == ["4"]  # step 2's went, as checkpoints do
     tokens = np.asarray(trained_run.open_run(str(tmp_path)).eval_store().tokens[:64],
