@@ -288,3 +288,17 @@ def test_the_safetensors_writer_streams_one_tensor_at_a_time(tmp_path):
     file = tensor_file.TensorFile(str(tmp_path / "t.safetensors"))
     np.testing.assert_array_equal(file.read("b"), np.ones((2, 3)))
     assert weights.DEFAULT_MAX_SHARD_BYTES == 5 * 10**9
+
+
+@pytest.mark.parametrize("variant, model_type", [
+    ("", "gpt_neox"), (":gpt2_small", "gpt2"), (":llama", "llama")])
+def test_the_shipped_gpt_variants_are_exportable(variant, model_type):
+    from jdp.experiment import loader
+    from jdp.main import load_config
+
+    config = load_config(f"experiments/gpt.py{variant}", "--config.data.tokenizer=bytes",
+                         "--config.model.vocab_size=300")
+    model = loader.load("experiments/gpt.py").build_model(config)
+    assert hf.architecture(model) == model_type
+    if model_type == "llama":
+        assert (model.num_kv_heads, model.tie_embeddings, model.use_bias) == (2, False, False)
