@@ -302,3 +302,16 @@ def test_the_shipped_gpt_variants_are_exportable(variant, model_type):
     assert hf.architecture(model) == model_type
     if model_type == "llama":
         assert (model.num_kv_heads, model.tie_embeddings, model.use_bias) == (2, False, False)
+
+
+def test_without_transformers_the_export_is_written_and_says_it_was_not_verified(
+        tmp_path, monkeypatch):
+    from jdp.export import verify
+
+    monkeypatch.setattr(verify, "available", lambda: False)
+    model, params = jdp_model("gpt2")
+    said = []
+    result = write_directory(str(tmp_path / "out"), model, flat(params).__getitem__,
+                             tokenizers.ByteTokenizer(), np.zeros(8, np.int32), log=said.append)
+    assert result.max_abs_diff is None and (tmp_path / "out" / "model.safetensors").exists()
+    assert len(said) == 1 and "not verified" in said[0] and "jdp[hf]" in said[0]

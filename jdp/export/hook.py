@@ -1,8 +1,9 @@
 """`export.hf_every_steps`: exports of a live run, beside its checkpoints.
 
-Every N steps the params are gathered to the host (one leaf at a time, a collective that
-every process takes part in; a leaf sharded over processes is assembled whole) and
-process 0 writes <workdir>/hf/<step>, checked like any export (`jdp.export`). The newest
+Every N steps the params are gathered to the host of every process (leaf by leaf, a
+collective that every process takes part in; a leaf sharded over processes is assembled
+whole), and process 0 writes <workdir>/hf/<step> from them, checked like any export
+(`jdp.export`): the hook holds one host copy of the params while it runs. The newest
 `checkpoint.max_to_keep` exports are kept.
 """
 
