@@ -125,7 +125,7 @@ def unpacked(values: np.ndarray, members: list):
 
 
 def place(value: np.ndarray, abstract) -> jax.Array:
-    host = value.astype(abstract.dtype)
+    host = value.astype(abstract.dtype, copy=False)
     return jax.make_array_from_callback(host.shape, abstract.sharding, lambda index: host[index])
 
 

@@ -1,5 +1,5 @@
 """The safetensors format, one tensor at a time: `write` streams tensors into a file whose
-header is known up front, `TensorFile` reads them back one by one (memory-mapped).
+header is known up front, `TensorFile` reads them back one by one.
 
 Why not the `safetensors` package: its writers take every tensor at once (the whole
 model in host memory, twice over with the converted copies), and its numpy reader has
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import struct
 from collections.abc import Callable, Iterable, Sequence
@@ -57,15 +56,17 @@ def write(path: str, tensors: Sequence[tuple[str, tuple[int, ...]]], dtype,
 
 
 class TensorFile:
-    """A safetensors file's tensors, each read on demand (`read`) as numpy."""
+    """A safetensors file's tensors, each read on demand (`read`) as numpy.
+
+    Read with pread, not memory-mapped: the mapped pages of a file would count in the
+    process's resident memory once read, on top of the copy the caller keeps."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        with open(path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._fd = os.open(path, os.O_RDONLY)
         try:
-            (length,) = struct.unpack("<Q", self._map[:8])
-            header = json.loads(self._map[8:8 + length])
+            (length,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+            header = json.loads(os.pread(self._fd, length, 8))
         except (struct.error, ValueError) as error:
             self.close()
             raise ValueError(f"{path} is not a safetensors file ({error})") from error
@@ -80,18 +81,24 @@ class TensorFile:
         return tuple(self._entries[name]["shape"])
 
     def read(self, name: str) -> np.ndarray:
-        """A copy of tensor `name` (its own memory: the file may be closed after)."""
+        """Tensor `name`, in memory of its own."""
         entry = self._entries[name]
         if entry["dtype"] not in _DTYPES:
             raise ValueError(f"{self.path}: {name} has dtype {entry['dtype']}; jdp reads "
                              f"{', '.join(_DTYPES)}")
-        begin, end = (self._start + offset for offset in entry["data_offsets"])
-        dtype = _DTYPES[entry["dtype"]].newbyteorder("<")
-        return np.frombuffer(self._map, dtype, (end - begin) // dtype.itemsize,
-                             begin).reshape(entry["shape"]).copy()
+        begin, end = entry["data_offsets"]
+        value = np.empty(entry["shape"], _DTYPES[entry["dtype"]].newbyteorder("<"))
+        view = memoryview(value.reshape(-1).view(np.uint8))
+        done = 0
+        while done < end - begin:  # pread may return less than asked
+            read = os.preadv(self._fd, [view[done:]], self._start + begin + done)
+            if read == 0:
+                raise ValueError(f"{self.path} is truncated in {name}")
+            done += read
+        return value
 
     def close(self) -> None:
-        self._map.close()
+        os.close(self._fd)
 
 
 def shard_names(count: int) -> list[str]:
