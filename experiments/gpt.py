@@ -14,7 +14,14 @@ devices; byte-level, `--config.data.tokenizer=bytes --config.data.seq_len=256`: 
     python -m jdp.main --config=experiments/gpt.py --workdir=runs/mine \\
         --config.data.text_files='/data/*.txt' --config.data.tokenizer=sentencepiece:/data/m.model
     python -m jdp.main --config=experiments/gpt.py:gpt2_small --workdir=runs/gpt2   # a GPU host
+    python -m jdp.main --config=experiments/gpt.py:llama --workdir=runs/llama   # Llama's block
     python -m jdp.sample --workdir=runs/gpt --prompt="def " --max_new_tokens=200
+    python -m jdp.export --workdir=runs/gpt --out=runs/gpt-hf      # for transformers, lm-eval
+
+Fine-tuning a transformers model (GPT-2, GPT-NeoX, Llama) saved with save_pretrained:
+`--config.checkpoint.init_from=hf:DIR --config.data.tokenizer=hf_dir:DIR`; the model's
+shape then comes from DIR/config.json, and a `model.vocab_size` or `model.max_len` set
+to something else is refused.
 """
 
 import ml_collections
@@ -23,10 +30,11 @@ from absl import logging
 from jdp import task
 from jdp.config import defaults
 from jdp.data.text import lm
+from jdp.errors import ConfigError
 from jdp.hooks import Hook
-from jdp.models.transformer import TRANSFORMER_SIZES, flops_per_token, transformer
+from jdp.models.transformer import TRANSFORMER_SIZES, Transformer, flops_per_token, transformer
 
-VARIANTS = ("default", "gpt2_small")
+VARIANTS = ("default", "gpt2_small", "llama")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -60,6 +68,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.eval = ml_collections.ConfigDict()
     config.eval.sample_prompt = "def "  # a greedy sample at each evaluation ("" = none)
     config.eval.sample_tokens = 64
+    config.export = ml_collections.ConfigDict()
+    # > 0: every N steps (and at the end) a transformers export in <workdir>/hf/<step>,
+    # checked as `python -m jdp.export` checks it; the newest checkpoint.max_to_keep kept.
+    config.export.hf_every_steps = 0
 
     if variant == "gpt2_small":  # GPT-2 small (124M parameters) at 1024 tokens
         config.model.size = "gpt2_small"
@@ -74,24 +86,52 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         config.warmup_steps = 500
         config.compute_dtype = "bfloat16"
         config.remat = "dots_saveable"
+    if variant == "llama":  # the default run with Llama's block (RMSNorm, SwiGLU, GQA)
+        config.model.size = "llama_micro"
+        config.model.tie_embeddings = False
     return config
 
 
-def _vocab_size(config) -> int:
-    return config.model.vocab_size or lm.tokenizer_vocab_size(config.data)
+def _imports(config) -> bool:
+    return config.checkpoint.init_from.startswith("hf:")
+
+
+def _model_fields(config) -> dict:
+    """The Transformer's fields that the config sets (over its named size's), or with
+    init_from=hf:DIR all of them, from DIR/config.json (its shape and architecture)."""
+    if _imports(config):
+        from jdp.checkpoint import hf_import  # Orbax: loaded only where needed
+
+        fields = hf_import.transformer_fields(config.checkpoint.init_from)
+        for key in ("vocab_size", "max_len"):
+            if config.model[key] not in (0, fields[key]):
+                raise ConfigError(
+                    f"config.model.{key}={config.model[key]}: the model in "
+                    f"{config.checkpoint.init_from} has {key}={fields[key]}. Fix: pass "
+                    f"--config.model.{key}=0 (the checkpoint's).")
+        needed = lm.tokenizer_vocab_size(config.data)
+        if fields["vocab_size"] < needed:
+            raise ConfigError(
+                f"config.data.tokenizer={config.data.tokenizer!r} has {needed} ids but the model "
+                f"in {config.checkpoint.init_from} embeds {fields['vocab_size']}: the vocabulary "
+                f"does not match the tokenizer. Fix: its own tokenizer, "
+                f"--config.data.tokenizer=hf_dir:{config.checkpoint.init_from[3:]}")
+        return fields
+    return {"positions": config.model.positions, "tie_embeddings": config.model.tie_embeddings,
+            "vocab_size": config.model.vocab_size or lm.tokenizer_vocab_size(config.data),
+            "max_len": config.model.max_len or config.data.seq_len}
 
 
 def build_model(config):
     import jax.numpy as jnp
 
-    lm.check_model_fits(config.data, vocab_size=_vocab_size(config),
-                        max_len=config.model.max_len or config.data.seq_len)
-    return transformer(config.model.size, vocab_size=_vocab_size(config),
-                       max_len=config.model.max_len or config.data.seq_len,
-                       positions=config.model.positions,
-                       tie_embeddings=config.model.tie_embeddings,
-                       dropout_rate=config.model.dropout_rate,
-                       dtype=jnp.dtype(config.compute_dtype), remat=config.remat)
+    fields = _model_fields(config)
+    lm.check_model_fits(config.data, vocab_size=fields["vocab_size"], max_len=fields["max_len"])
+    common = dict(dropout_rate=config.model.dropout_rate,
+                  dtype=jnp.dtype(config.compute_dtype), remat=config.remat)
+    if _imports(config):
+        return Transformer(**fields, **common)
+    return transformer(config.model.size, **fields, **common)
 
 
 def build_task(config) -> task.Task:
@@ -100,9 +140,13 @@ def build_task(config) -> task.Task:
 
 
 def build_hooks(config) -> list[Hook]:
-    """A short greedy sample of the model at each evaluation, in the log and TensorBoard."""
+    """A short greedy sample of the model at each evaluation, in the log and TensorBoard;
+    the transformers exports of `export.hf_every_steps`."""
+    from jdp.export.hook import hf_export_hook
+
+    hooks = [hook for hook in (hf_export_hook(config, build_model),) if hook is not None]
     if not config.eval.sample_prompt:
-        return []
+        return hooks
 
     def sample(step, info):
         from jdp.sample import sampler_for
@@ -112,11 +156,14 @@ def build_hooks(config) -> list[Hook]:
         logging.info("sample at step %d: %r", step, config.eval.sample_prompt + text)
         info.write_text("eval/sample", config.eval.sample_prompt + text)
 
-    return [Hook(sample, every=config.eval_every_steps, at_end=True)]
+    return [Hook(sample, every=config.eval_every_steps, at_end=True), *hooks]
 
 
 def flops_per_example(config) -> float:
-    size = TRANSFORMER_SIZES[config.model.size]
+    fields = {**TRANSFORMER_SIZES.get(config.model.size, {}), **_model_fields(config)}
+    heads = fields["num_heads"]
     return config.data.seq_len * flops_per_token(
-        hidden_size=size["hidden_size"], num_layers=size["num_layers"],
-        mlp_dim=size["mlp_dim"], vocab_size=_vocab_size(config), length=config.data.seq_len)
+        hidden_size=fields["hidden_size"], num_layers=fields["num_layers"],
+        mlp_dim=fields["mlp_dim"], vocab_size=fields["vocab_size"], length=config.data.seq_len,
+        kv_size=fields["hidden_size"] // heads * (fields.get("num_kv_heads") or heads),
+        mlp_matrices=3 if fields.get("mlp") == "swiglu" else 2)

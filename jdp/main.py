@@ -96,7 +96,8 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
     `explicit_keys`: the config keys the user set (the command line's overrides; default:
     those that differ from the experiment's own config), which a prepared token store
     named by data.token_dir does not replace."""
-    from jdp.checkpoint import check_best_metric, trained
+    from jdp import trained_run
+    from jdp.checkpoint import check_best_metric, hf_import
     from jdp.checkpoint.resume import check_resumable
     from jdp.data.text import lm as text_lm
     from jdp.experiment import components as components_lib
@@ -116,9 +117,12 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
     if applied:
         logging.info("applied %s: %s", config.tune, applied)
     storage.check_supported(workdir, "--workdir")
-    if config.checkpoint.init_from:
-        storage.check_supported(config.checkpoint.init_from, "config.checkpoint.init_from")
+    if config.checkpoint.init_from:  # a jdp checkpoint or hf:DIR, a transformers model
+        storage.check_supported(config.checkpoint.init_from.removeprefix("hf:"),
+                                "config.checkpoint.init_from")
     storage.configure()  # before any GCS client is imported
+    if hf_import.is_hf(config.checkpoint.init_from):  # a bad directory fails before writing
+        hf_import.transformer_fields(config.checkpoint.init_from)
     experiment = loader.load(config_path)
     device_count = jax.device_count() if devices is None else len(devices)
     split = config_lib.validate(config, device_count, jax.process_count())
@@ -143,10 +147,10 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
 
     if jax.process_index() == 0:
         _make_workdir(workdir)
-        with storage.open_file(storage.join(workdir, trained.CONFIG_FILE), "w") as f:
+        with storage.open_file(storage.join(workdir, trained_run.CONFIG_FILE), "w") as f:
             f.write(config_json + "\n")
         # What the programs used after training (sample, evaluate) load.
-        with storage.open_file(storage.join(workdir, trained.RUN_FILE), "w") as f:
+        with storage.open_file(storage.join(workdir, trained_run.RUN_FILE), "w") as f:
             json.dump({"experiment_file": os.path.abspath(config_path)}, f)
     return loop.train_and_evaluate(config, workdir, experiment, components, split, devices,
                                    hooks)

@@ -62,7 +62,9 @@ def assert_same_trajectory(run, reference, logged_steps=(3, 6, 9, 12)):
     """Same losses at every logged step and the same final params (rtol 1e-5).
 
     The attention key bias is bounded instead: its true gradient is exactly 0
-    (softmax ignores it), and Adam turns the rounding noise into lr-sized steps.
+    (softmax ignores it), and Adam turns the rounding noise into lr-sized steps, so
+    the two runs' key biases differ by at most two runs' worth of such steps (from any
+    starting value: a model imported with a nonzero one too).
     """
     import jax
     import numpy as np
@@ -78,7 +80,7 @@ def assert_same_trajectory(run, reference, logged_steps=(3, 6, 9, 12)):
     for (path, leaf), ref_leaf in zip(params, ref_params, strict=True):
         name = jax.tree_util.keystr(path)
         if "['key']['bias']" in name:
-            assert np.abs(leaf).max() < bound and np.abs(ref_leaf).max() < bound
+            assert np.abs(leaf - ref_leaf).max() < 2 * bound
         else:
             np.testing.assert_allclose(leaf, ref_leaf, rtol=RTOL, atol=1e-6, err_msg=name)
 

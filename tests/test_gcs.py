@@ -7,6 +7,7 @@ import os
 import subprocess
 import threading
 
+import jax
 import numpy as np
 import pytest
 
@@ -320,3 +321,18 @@ def test_data_files_in_a_bucket_are_read_by_glob(gcs, tmp_path, monkeypatch):
     eval_files = open_files(f"{bucket}/eval-*", field="config.data.eval_files")
     assert [int(train_files[i]["label"]) for i in range(5)] == [0, 1, 2, 3, 4]
     assert [int(eval_files[i]["label"]) for i in range(3)] == [0, 1, 2]
+
+
+def test_init_from_hf_reads_a_transformers_model_in_a_bucket(gcs, tmp_path, monkeypatch):
+    pytest.importorskip("torch", reason="needs torch (the test extra, Python 3.11)")
+    from test_hf_models import imported, save_transformers_model
+
+    monkeypatch.setenv("JDP_DATA_CACHE_DIR", str(tmp_path / "cache"))
+    _, local = save_transformers_model(tmp_path / "llama", "llama")
+    bucket = new_bucket(gcs, "hf-model")
+    storage.upload(local, f"{bucket}/llama")
+    model, params = imported(f"{bucket}/llama")
+    local_model, local_params = imported(local)
+    assert model == local_model
+    for leaf, ref in zip(jax.tree.leaves(params), jax.tree.leaves(local_params), strict=True):
+        np.testing.assert_array_equal(leaf, ref)

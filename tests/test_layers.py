@@ -9,7 +9,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jdp"
 
 # Bottom to top. A module may import its own layer and those before it. The programs
-# at the top (the dry run, the report, sampling, text preparation, the benchmarks,
+# at the top (the dry run, the report, sampling, text preparation, the export, the benchmarks,
 # main, and the tuner above main) stand on everything below them and on nothing of
 # each other but as listed.
 LAYERS = [
@@ -22,10 +22,11 @@ LAYERS = [
     ("jdp.parallel",),
     ("jdp.checkpoint", "jdp.observe"),
     ("jdp.train",),
+    ("jdp.trained_run",),  # a run read from its workdir, for the programs that use it
     # jdp.hooks, the experiments' import, also offers the trackers, which send the report's
     # plots.
-    ("jdp.dryrun", "jdp.report", "jdp.sample", "jdp.text", "jdp.evaluate", "jdp.track",
-     "jdp.hooks"),
+    ("jdp.dryrun", "jdp.report", "jdp.sample", "jdp.text", "jdp.evaluate", "jdp.export",
+     "jdp.track", "jdp.hooks"),
     ("jdp.bench", "jdp.main"),
     ("jdp.tune",),  # runs jdp.main's trainer for its trials
 ]

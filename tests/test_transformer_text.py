@@ -415,3 +415,70 @@ def test_sampling_past_the_context_continues_on_a_sliding_window():
     expected = _window_by_window_greedy(model, params, [3, 1, 4, 1, 5], count)
     assert len(expected) == count  # never an eos: the whole window logic is exercised
     assert text == _IdsTokenizer().decode(expected)
+
+
+# --- the Llama options (RMSNorm, SwiGLU, grouped-query attention, no biases) ---------------
+
+LLAMA_OPTIONS = dict(norm="rmsnorm", mlp="swiglu", num_kv_heads=2, use_bias=False,
+                     rotary_base=500_000.0)
+
+
+@functools.cache
+def _llama_variables() -> dict:
+    model = _model(**LLAMA_OPTIONS)
+    return jax.jit(lambda key: model.init(key, _tokens(), train=False))(
+        jax.random.key(1, impl="rbg"))
+
+
+def test_the_llama_options_keep_packed_documents_apart():
+    model, variables, tokens = _model(**LLAMA_OPTIONS), _llama_variables(), _tokens()
+    forward = jax.jit(lambda t: model.apply(variables, t, SEGMENT_IDS, POSITIONS, train=False))
+    changed = tokens.at[:, :DOC1].set((tokens[:, :DOC1] + 1) % VOCAB_SIZE)
+    np.testing.assert_allclose(forward(changed)[:, DOC1:], forward(tokens)[:, DOC1:], atol=1e-6)
+    assert np.abs(forward(changed)[:, :DOC1] - forward(tokens)[:, :DOC1]).max() > 1e-3
+    attention = variables["params"]["decoder_block_0"]["MultiHeadDotProductAttention_0"]
+    assert attention["key"]["kernel"].shape == (32, 2, 8)  # 2 key/value heads of 4
+    assert "bias" not in attention["query"] and "head" in variables["params"]
+
+
+def test_the_llama_options_decode_with_a_cache_of_their_key_value_heads():
+    model, variables, tokens = _model(**LLAMA_OPTIONS), _llama_variables(), _tokens(4)
+    decoder = model.clone(decode=True)
+
+    @jax.jit
+    def cached_logits(tokens):
+        cache = decoding.init_cache(model, 2, LENGTH)
+        logits, state = decoder.apply({**variables, "cache": cache}, tokens[:, :9], train=False,
+                                      mutable=["cache"])
+        rest, state = decoder.apply({**variables, **state}, tokens[:, 9:], train=False,
+                                    mutable=["cache"])
+        return state["cache"], jnp.concatenate([logits, rest], axis=1)
+
+    cache, logits = cached_logits(tokens)
+    assert cache["decoder_block_0"]["MultiHeadDotProductAttention_0"]["cached_key"].shape == (
+        2, LENGTH, 2, 8)
+    full = jax.jit(lambda t: model.apply(variables, t, train=False))(tokens)
+    np.testing.assert_allclose(logits, full, rtol=1e-5, atol=1e-5)
+
+
+def test_the_llama_options_with_remat_give_the_same_gradients():
+    variables, tokens = _llama_variables(), _tokens(5)
+
+    def gradients(remat):
+        model = _model(**LLAMA_OPTIONS, remat=remat)
+        loss = lambda p: model.apply({"params": p}, tokens, train=False).mean()
+        return jax.jit(jax.grad(loss))(variables["params"])
+
+    for leaf, ref in zip(jax.tree.leaves(gradients("full")), jax.tree.leaves(gradients("none")),
+                         strict=True):
+        np.testing.assert_allclose(leaf, ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(num_kv_heads=3), r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"),
+    (dict(norm="batchnorm"), r"Unknown norm='batchnorm'"),
+    (dict(mlp="relu"), r"Unknown mlp='relu'"),
+])
+def test_a_bad_llama_option_is_refused_naming_it(fields, message):
+    with pytest.raises(ValueError, match=message):
+        _model(**fields)

@@ -6,7 +6,9 @@ topology.
 fresh one, optionally with another run's params: `init_from`) and whether a workdir
 may be resumed with this config, `layout` matches saved arrays against the model's,
 `packing` saves the small arrays together (and `load_arrays` reads a checkpoint back
-whole, for inspection).
+whole, for inspection). `saved_params` reads the params of a step on one host leaf by
+leaf (for the export), `hf_import` the params of a `transformers` model
+(`init_from=hf:DIR`), `tensor_file` the safetensors format one tensor at a time.
 """
 
 from jdp.checkpoint.checkpointer import Checkpointer, WallTimeCadence, check_best_metric

@@ -7,11 +7,9 @@ import contextlib
 import os
 
 import orbax.checkpoint as ocp
-from etils import epath
-from orbax.checkpoint.checkpoint_manager import DEFAULT_ITEM_NAME
 
-from jdp.checkpoint import layout, packing
-from jdp.checkpoint.layout import CheckpointError, PyTree
+from jdp.checkpoint import layout, packing, saved_params
+from jdp.checkpoint.layout import PyTree
 from jdp.runtime import storage
 
 
@@ -28,7 +26,7 @@ def load_fields(path: str | os.PathLike, abstract: dict[str, PyTree]) -> dict[st
     """The named top-level fields of a checkpoint's state (`{"params": ..., "model_state":
     ...}`), each placed like its abstract tree; the other fields stay on disk. Reads only:
     a run still training may write the same directory meanwhile."""
-    item_dir = _params_item_dir(epath.Path(storage.absolute(path)))  # Orbax wants it absolute
+    item_dir = saved_params.item_dir(storage.absolute(path))  # Orbax wants it absolute
     shapes, index = layout.saved_layout(item_dir)
     saved = {name: shape for name, shape in shapes.items() if name.split("/")[0] in abstract}
     layout.check_matches(saved, layout.expected_shapes(abstract), item_dir)
@@ -41,23 +39,3 @@ def load_fields(path: str | os.PathLike, abstract: dict[str, PyTree]) -> dict[st
                 partial_restore=True))
     except Exception as error:
         raise layout.unreadable(item_dir, error) from error
-
-
-def _params_item_dir(path: epath.Path) -> epath.Path:
-    """The item directory of the step that `path` names, or of its newest complete step."""
-    if not path.exists():
-        raise CheckpointError(
-            f"Cannot load params: {path} does not exist. Point checkpoint.init_from at a "
-            "jdp checkpoint directory or one of its step directories."
-        )
-    if (path / DEFAULT_ITEM_NAME).is_dir() and ocp.step.is_path_finalized(path):
-        return path / DEFAULT_ITEM_NAME
-    steps = ocp.utils.checkpoint_steps(path)
-    if not steps:
-        raise CheckpointError(
-            f"Cannot load params: {path} holds no complete checkpoint. Point "
-            "checkpoint.init_from at a jdp checkpoint directory or one of its step directories."
-        )
-    return path / str(max(steps)) / DEFAULT_ITEM_NAME
-
-

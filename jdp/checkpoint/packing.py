@@ -108,14 +108,14 @@ def restore(handler: ocp.PyTreeCheckpointHandler, item_dir: epath.Path, target: 
         item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
         partial_restore=True)))
     for dtype, members in needed.items():
-        for name, value in _unpacked(read.pop(f"{PACKED}/{dtype}"), members):
+        for name, value in unpacked(read.pop(f"{PACKED}/{dtype}"), members):
             if name in wanted:
-                read[name] = _place(value, wanted[name])
+                read[name] = place(value, wanted[name])
     # Orbax's flat names come in the tree's own leaf order.
     return jax.tree.unflatten(jax.tree.structure(target), [read[name] for name in wanted])
 
 
-def _unpacked(values: np.ndarray, members: list):
+def unpacked(values: np.ndarray, members: list):
     """(name, value) of each leaf of one pack, in the index's order."""
     offset = 0
     for name, shape in members:
@@ -124,8 +124,8 @@ def _unpacked(values: np.ndarray, members: list):
         offset += size
 
 
-def _place(value: np.ndarray, abstract) -> jax.Array:
-    host = value.astype(abstract.dtype)
+def place(value: np.ndarray, abstract) -> jax.Array:
+    host = value.astype(abstract.dtype, copy=False)
     return jax.make_array_from_callback(host.shape, abstract.sharding, lambda index: host[index])
 
 
@@ -144,5 +144,5 @@ def load_arrays(item_dir: str | epath.Path) -> dict:
         return tree
     read = flat(tree)
     for dtype, members in index.items():
-        read.update(_unpacked(read.pop(f"{PACKED}/{dtype}"), members))
+        read.update(unpacked(read.pop(f"{PACKED}/{dtype}"), members))
     return ocp.tree.from_flat_dict(read, sep="/")

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from jdp.checkpoint import CHECKPOINT_DIR
+from jdp.checkpoint import CHECKPOINT_DIR, hf_import
 from jdp.checkpoint.checkpointer import Checkpointer
 from jdp.checkpoint.init_from import load_params
 from jdp.checkpoint.layout import DamagedCheckpointError
@@ -49,12 +49,14 @@ def initial_state(backend, checkpointer: Checkpointer, rng, sample_inputs, init_
     params = None
     if init_from:
         # A run's workdir stands for its newest checkpoint.
-        if storage.isdir(storage.join(init_from, CHECKPOINT_DIR)):
+        if not hf_import.is_hf(init_from) and storage.isdir(storage.join(init_from,
+                                                                          CHECKPOINT_DIR)):
             init_from = storage.join(init_from, CHECKPOINT_DIR)
         logging.info("initialising params from %s", init_from)
         # Read against the abstract params, before the init is compiled and run: a
         # checkpoint of another model fails at once, not after the model's init.
-        params = load_params(init_from, backend.abstract_state(rng, sample_inputs).params)
+        load = hf_import.load_params if hf_import.is_hf(init_from) else load_params
+        params = load(init_from, backend.abstract_state(rng, sample_inputs).params)
     state = backend.init_global(rng, sample_inputs)
     return state if params is None else state.replace(params=params)
 

@@ -25,7 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jdp.checkpoint import trained
+from jdp import trained_run
 from jdp.checkpoint.init_from import load_fields
 from jdp.config import paths
 from jdp.data import splits
@@ -63,7 +63,7 @@ def evaluate_run(workdir: str, *, step: int | None = None, changes: dict | None 
     """The eval metrics of `workdir`'s checkpoint `step` (default: the newest) on `devices`
     (default: this process's), with the config `changes` ({dotted key: value}, checked by
     `check_changeable`); also appended to the run's evaluations.jsonl."""
-    run = trained.open_run(workdir)
+    run = trained_run.open_run(workdir)
     config = run.config
     changes = dict(changes or {})
     check_changeable(changes)
@@ -99,7 +99,7 @@ def evaluate_run(workdir: str, *, step: int | None = None, changes: dict | None 
     return metrics
 
 
-def _data(run: trained.TrainedRun, config, changes: dict):
+def _data(run: trained_run.TrainedRun, config, changes: dict):
     """(the data to evaluate on, or None for the experiment's own; what it is, in words)."""
     text = lm.uses_text(config.data)
     if text and "data.eval_text_files" in changes and config.data.eval_text_files:

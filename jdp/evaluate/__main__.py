@@ -42,11 +42,12 @@ def main(argv=None) -> int:
     if unexpected:
         parser.error(f"unrecognized arguments: {' '.join(unexpected)} (the config is "
                      "overridden with --config.KEY=VALUE)")
-    from jdp.checkpoint import CheckpointError, trained
+    from jdp import trained_run
+    from jdp.checkpoint import CheckpointError
     from jdp.evaluate import evaluate_run
 
     try:
-        changes = _changes(trained.open_run(args.workdir).config, rest)
+        changes = _changes(trained_run.open_run(args.workdir).config, rest)
         metrics = evaluate_run(args.workdir, step=args.step, changes=changes)
     except (ConfigError, CheckpointError) as e:
         print(f"jdp.evaluate: error: {e}", file=sys.stderr)

@@ -1,10 +1,14 @@
 """Decoder-only Transformer language model in Flax Linen.
 
-Owns the causal LM, its standard sizes by name (GPT-2's among them), `transformer(size,
-...)`, the rotary position embedding, the attention mask of packed documents, the model's
-key/value cache for decoding (`decode=True`; the sampling loop is `decoding.py`'s) and the
-model-FLOPs count per token. Compute runs in `dtype` while parameters stay in
-`param_dtype`; the logits are float32.
+Owns the causal LM, its standard sizes by name (GPT-2's and Llama-family ones among
+them), `transformer(size, ...)`, the rotary position embedding, the attention mask of
+packed documents, the model's key/value cache for decoding (`decode=True`; the sampling
+loop is `decoding.py`'s) and the model-FLOPs count per token. Compute runs in `dtype`
+while parameters stay in `param_dtype`; the logits are float32.
+
+One model, with options: the default block is GPT-2's (LayerNorm, GELU MLP, biases);
+`norm='rmsnorm'`, `mlp='swiglu'`, `num_kv_heads` (grouped-query attention),
+`rotary_base` and `use_bias=False` make it Llama's.
 """
 
 import functools
@@ -16,6 +20,10 @@ from jax import lax
 
 from jdp.models.remat import maybe_remat, remat_policy
 from jdp.models.vit import MlpBlock
+
+# The options that make the block Llama's.
+LLAMA: dict[str, Any] = dict(norm="rmsnorm", mlp="swiglu", use_bias=False, tie_embeddings=False,
+                             rotary_base=500_000.0)
 
 TRANSFORMER_SIZES: dict[str, dict[str, Any]] = {
     # For quick CPU runs on the built-in addition task.
@@ -32,26 +40,37 @@ TRANSFORMER_SIZES: dict[str, dict[str, Any]] = {
                       positions="learned", tie_embeddings=True),
     "gpt2_small": dict(hidden_size=768, num_layers=12, num_heads=12, mlp_dim=3072,
                        positions="learned", tie_embeddings=True),
+    # Llama's block (Touvron et al., 2023): RMSNorm, SwiGLU MLP, grouped-query attention
+    # (4 query heads per key/value head), no biases, an untied head and Llama 3's rotary
+    # base. For CPU runs; the names say the size, not a published checkpoint.
+    "llama_micro": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                        mlp_dim=384, **LLAMA),
+    "llama_mini": dict(hidden_size=384, num_layers=6, num_heads=6, num_kv_heads=2,
+                       mlp_dim=1024, **LLAMA),
 }
 
 POSITIONS = ("rotary", "learned")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
 
 # The base of RoPE's geometric sequence of frequencies (Su et al., 2021).
-_ROTARY_BASE = 10_000.0
+ROTARY_BASE = 10_000.0
 
 
-def apply_rotary(x: jnp.ndarray, positions: jnp.ndarray) -> jnp.ndarray:
+def apply_rotary(x: jnp.ndarray, positions: jnp.ndarray,
+                 base: float = ROTARY_BASE) -> jnp.ndarray:
     """Rotary position embedding of `x` [..., length, heads, head_dim] at `positions`.
 
     `positions` is [length] (shared by the batch) or [batch, length] (per example, as in
     packed text where they restart at every document). Rotates the pairs (x[i],
     x[i + head_dim/2]) by the angle position * base^(-2i/head_dim), so the dot product of a
-    rotated query and key depends only on their offset. The angles and rotation are
-    computed in float32 (in bf16 the angles of later positions would be off by whole
+    rotated query and key depends only on their offset (the halves convention of GPT-NeoX
+    and Llama in `transformers`, not GPT-J's interleaved pairs). The angles and rotation
+    are computed in float32 (in bf16 the angles of later positions would be off by whole
     radians) and the result is cast back to x's dtype.
     """
     half = x.shape[-1] // 2
-    inverse_frequencies = _ROTARY_BASE ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    inverse_frequencies = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angles = positions.astype(jnp.float32)[..., None] * inverse_frequencies  # [..., length, half]
     # Broadcast over heads, which come between length and head_dim.
     sin, cos = jnp.sin(angles)[..., None, :], jnp.cos(angles)[..., None, :]
@@ -77,15 +96,18 @@ class CausalSelfAttention(nn.Module):
     """Multi-head self-attention with optional RoPE and, when `decode`, a key/value cache.
 
     The parameters are nn.MultiHeadDotProductAttention's (`query`, `key`, `value` project to
-    [heads, head_dim], `out` projects back), so params of either load into the other. flax's
-    own decode mode does not fit: it takes one token per call (no prefill of a prompt) and
+    [heads, head_dim], `out` projects back), so params of either load into the other. With
+    `num_kv_heads` < `num_heads` (grouped-query attention) `key` and `value` project to
+    [num_kv_heads, head_dim] and query head h attends with key/value head
+    h // (num_heads / num_kv_heads), as Llama's `repeat_kv` groups them. flax's own
+    decode mode does not fit: it takes one token per call (no prefill of a prompt) and
     caches the keys before `attention_fn`, where RoPE would rotate the whole cache again
     at every step. Here keys are rotated at their true positions once, then cached.
 
     The cache is the 'cache' collection: `cached_key` and `cached_value` [batch, cache
-    length, heads, head_dim]. The first call with `decode` (`init`, no cache yet) creates
-    them as zeros the size of its input and attends as without a cache; later calls write
-    their keys and values at `cache_index` and attend to the cache's first
+    length, kv heads, head_dim]. The first call with `decode` (`init`, no cache yet)
+    creates them as zeros the size of its input and attends as without a cache; later
+    calls write their keys and values at `cache_index` and attend to the cache's first
     `cache_index + t + 1` entries from their t-th query.
     """
 
@@ -94,6 +116,9 @@ class CausalSelfAttention(nn.Module):
     dtype: Any
     param_dtype: Any
     decode: bool = False
+    num_kv_heads: int = 0  # 0: num_heads
+    rotary_base: float = ROTARY_BASE
+    use_bias: bool = True
 
     @nn.compact
     def __call__(
@@ -104,16 +129,18 @@ class CausalSelfAttention(nn.Module):
         cache_index: jnp.ndarray | None = None,
     ) -> jnp.ndarray:
         features = x.shape[-1]
+        head_dim = features // self.num_heads
+        kv_heads = self.num_kv_heads or self.num_heads
         dense = functools.partial(
-            nn.DenseGeneral,
-            axis=-1,
-            features=(self.num_heads, features // self.num_heads),
-            dtype=self.dtype,
+            nn.DenseGeneral, axis=-1, use_bias=self.use_bias, dtype=self.dtype,
             param_dtype=self.param_dtype,
         )
-        query, key, value = dense(name="query")(x), dense(name="key")(x), dense(name="value")(x)
+        query = dense(features=(self.num_heads, head_dim), name="query")(x)
+        key = dense(features=(kv_heads, head_dim), name="key")(x)
+        value = dense(features=(kv_heads, head_dim), name="value")(x)
         if self.rotary:
-            query, key = apply_rotary(query, positions), apply_rotary(key, positions)
+            query = apply_rotary(query, positions, self.rotary_base)
+            key = apply_rotary(key, positions, self.rotary_base)
         if self.decode:
             cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
             cached_value = self.variable(
@@ -127,6 +154,9 @@ class CausalSelfAttention(nn.Module):
                 # Causal over the cache; its entries past the last written one are zeros.
                 query_slots = cache_index + jnp.arange(x.shape[-2])
                 mask = (jnp.arange(key.shape[-3]) <= query_slots[:, None])[None, None]
+        if kv_heads != self.num_heads:  # each key/value head serves a group of query heads
+            key = jnp.repeat(key, self.num_heads // kv_heads, axis=-2)
+            value = jnp.repeat(value, self.num_heads // kv_heads, axis=-2)
         # The softmax runs in float32 and its weights are cast back to the value dtype, so
         # both matmuls run in `dtype` (see vit._attention for why).
         weights = nn.dot_product_attention_weights(
@@ -134,12 +164,38 @@ class CausalSelfAttention(nn.Module):
         )
         y = jnp.einsum("...hqk,...khd->...qhd", weights.astype(value.dtype), value)
         return nn.DenseGeneral(
-            features, axis=(-2, -1), dtype=self.dtype, param_dtype=self.param_dtype, name="out"
+            features, axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
+            param_dtype=self.param_dtype, name="out"
         )(y)
 
 
+class SwiGluMlp(nn.Module):
+    """Llama's MLP: down(silu(gate(x)) * up(x)) (Shazeer, 2020), dropout after it."""
+
+    mlp_dim: int
+    dropout_rate: float
+    dtype: Any
+    param_dtype: Any
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
+        dense = functools.partial(nn.Dense, use_bias=self.use_bias, dtype=self.dtype,
+                                  param_dtype=self.param_dtype)
+        y = nn.silu(dense(self.mlp_dim, name="gate")(x)) * dense(self.mlp_dim, name="up")(x)
+        y = dense(x.shape[-1], name="down")(y)
+        return nn.Dropout(self.dropout_rate)(y, deterministic=not train)
+
+
+def _norm(kind: str, epsilon: float, dtype: Any, param_dtype: Any,
+          name: str | None = None) -> nn.Module:
+    """A norm of `kind`; without `name`, auto-named (LayerNorm_0, RMSNorm_0, ...)."""
+    cls = nn.LayerNorm if kind == "layernorm" else nn.RMSNorm
+    return cls(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, name=name)
+
+
 class DecoderBlock(nn.Module):
-    """Pre-LayerNorm block: x + CausalAttn(LN(x)), then x + MLP(LN(x))."""
+    """Pre-norm block: x + CausalAttn(Norm(x)), then x + MLP(Norm(x))."""
 
     num_heads: int
     mlp_dim: int
@@ -148,6 +204,12 @@ class DecoderBlock(nn.Module):
     dtype: Any
     param_dtype: Any
     decode: bool = False
+    num_kv_heads: int = 0
+    rotary_base: float = ROTARY_BASE
+    norm: str = "layernorm"
+    norm_epsilon: float = 1e-6
+    mlp: str = "gelu"
+    use_bias: bool = True
 
     @nn.compact
     def __call__(
@@ -158,7 +220,9 @@ class DecoderBlock(nn.Module):
         positions: jnp.ndarray,
         cache_index: jnp.ndarray | None = None,
     ) -> jnp.ndarray:
-        y = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype)(x)
+        norm = functools.partial(_norm, self.norm, self.norm_epsilon, self.dtype,
+                                 self.param_dtype)
+        y = norm()(x)
         # Named as the nn.MultiHeadDotProductAttention it replaced, whose params it has.
         y = CausalSelfAttention(
             num_heads=self.num_heads,
@@ -166,12 +230,20 @@ class DecoderBlock(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             decode=self.decode,
+            num_kv_heads=self.num_kv_heads,
+            rotary_base=self.rotary_base,
+            use_bias=self.use_bias,
             name="MultiHeadDotProductAttention_0",
         )(y, mask, positions, cache_index)
         y = nn.Dropout(self.dropout_rate)(y, deterministic=not train)
         x = x + y
-        y = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype)(x)
-        y = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype, self.param_dtype)(y, train)
+        y = norm()(x)
+        if self.mlp == "swiglu":
+            y = SwiGluMlp(self.mlp_dim, self.dropout_rate, self.dtype, self.param_dtype,
+                          self.use_bias)(y, train)
+        else:
+            y = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype, self.param_dtype,
+                         self.use_bias)(y, train)
         return x + y
 
 
@@ -185,11 +257,15 @@ class Transformer(nn.Module):
     RoPE and of the learned embedding. Without either the model computes exactly what it
     did before they existed.
 
-    `positions='rotary'` applies RoPE to queries and keys in every layer, `'learned'` adds a
-    learned absolute embedding of up to `max_len` positions to the token embedding.
-    `tie_embeddings` computes the logits with the token embedding's transpose instead of a
-    separate `head`. `remat` names a policy from `REMAT_POLICIES`, applied to each block.
-    Dropout needs `rngs={'dropout': key}` when `train`.
+    `positions='rotary'` applies RoPE (base `rotary_base`) to queries and keys in every
+    layer, `'learned'` adds a learned absolute embedding of up to `max_len` positions to
+    the token embedding. `tie_embeddings` computes the logits with the token embedding's
+    transpose instead of a separate `head`. `norm` ('layernorm' or 'rmsnorm', with
+    `norm_epsilon`), `mlp` ('gelu' or 'swiglu'), `num_kv_heads` (0: one per query head;
+    fewer: grouped-query attention) and `use_bias` (the projections' and head's biases)
+    choose the block: the defaults are GPT-2's, `LLAMA` Llama's. `remat` names a policy
+    from `REMAT_POLICIES`, applied to each block. Dropout needs `rngs={'dropout': key}`
+    when `train`.
 
     `decode=True` is the same model (the same params) with a key/value cache in the 'cache'
     collection: `init` on tokens [batch, cache length] creates it, then each `apply(...,
@@ -210,13 +286,25 @@ class Transformer(nn.Module):
     remat: str = "none"
     tie_embeddings: bool = False
     decode: bool = False
+    num_kv_heads: int = 0
+    rotary_base: float = ROTARY_BASE
+    norm: str = "layernorm"
+    norm_epsilon: float = 1e-6
+    mlp: str = "gelu"
+    use_bias: bool = True
 
     def __post_init__(self) -> None:
         # Fail when the model is built from the config, not at the first trace.
-        if self.positions not in POSITIONS:
+        for name, choices in (("positions", POSITIONS), ("norm", NORMS), ("mlp", MLPS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(
+                    f"Unknown {name}={getattr(self, name)!r}. Set `{name}` to one of: "
+                    f"{', '.join(choices)}"
+                )
+        if self.num_kv_heads and (self.num_kv_heads < 0 or self.num_heads % self.num_kv_heads):
             raise ValueError(
-                f"Unknown positions={self.positions!r}. Set `positions` to one of: "
-                f"{', '.join(POSITIONS)}"
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}); change `num_kv_heads` (0: one per query head)"
             )
         remat_policy(self.remat)
         if self.hidden_size % self.num_heads:
@@ -317,16 +405,23 @@ class Transformer(nn.Module):
                 dtype=self.dtype,
                 param_dtype=self.param_dtype,
                 decode=self.decode,
+                num_kv_heads=self.num_kv_heads,
+                rotary_base=self.rotary_base,
+                norm=self.norm,
+                norm_epsilon=self.norm_epsilon,
+                mlp=self.mlp,
+                use_bias=self.use_bias,
                 name=f"decoder_block_{i}",
             )(x, train, mask, positions, cache_index)
-        x = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name="decoder_norm")(x)
+        x = _norm(self.norm, self.norm_epsilon, self.dtype, self.param_dtype, "decoder_norm")(x)
 
         if self.tie_embeddings:
             # GPT-2's head: the logit of token v is the dot product with v's embedding.
             logits = embedding.attend(x)
         else:
             logits = nn.Dense(
-                self.vocab_size, dtype=self.dtype, param_dtype=self.param_dtype, name="head"
+                self.vocab_size, use_bias=self.use_bias, dtype=self.dtype,
+                param_dtype=self.param_dtype, name="head"
             )(x)
         # The loss (log-softmax) is computed in float32 whatever the compute dtype.
         return logits.astype(jnp.float32)
@@ -345,7 +440,8 @@ def transformer(size: str, *, vocab_size: int, max_len: int, **kwargs: Any) -> T
 
 
 def flops_per_token(
-    *, hidden_size: int, num_layers: int, mlp_dim: int, vocab_size: int, length: int
+    *, hidden_size: int, num_layers: int, mlp_dim: int, vocab_size: int, length: int,
+    kv_size: int | None = None, mlp_matrices: int = 2,
 ) -> float:
     """Model FLOPs of one training step's forward and backward pass, per token.
 
@@ -353,6 +449,8 @@ def flops_per_token(
     hidden_size * length, where N = num_layers * (4 h^2 + 2 h mlp_dim) + h * vocab_size
     are the weights of the matmuls (q, k, v, out; the two MLP layers; the head; not the
     embedding lookups, biases or norms) at 2 FLOPs per multiply-add forward and 4 backward.
+    With grouped-query attention k and v project to `kv_size` (= num_kv_heads * head_dim)
+    features instead of h, and a SwiGLU MLP has `mlp_matrices`=3 (gate, up, down).
     With `tie_embeddings` the head is the token embedding's transpose: it is then no
     separate parameter but still a h x vocab_size matmul, so N and the count are the same.
     The second term is the attention scores and weighted values, counted over the full
@@ -360,7 +458,10 @@ def flops_per_token(
     mask more). It counts no remat recomputation: this is model FLOPs for MFU, not the
     hardware FLOPs done.
     """
+    kv_size = hidden_size if kv_size is None else kv_size
+    attention = 2 * hidden_size**2 + 2 * hidden_size * kv_size
     matmul_params = (
-        num_layers * (4 * hidden_size**2 + 2 * hidden_size * mlp_dim) + hidden_size * vocab_size
+        num_layers * (attention + mlp_matrices * hidden_size * mlp_dim)
+        + hidden_size * vocab_size
     )
     return float(6 * matmul_params + 12 * num_layers * hidden_size * length)

@@ -4,6 +4,7 @@ Owns the ViT model, its standard sizes by name and `vit(size, ...)`. Compute
 runs in `dtype` while parameters stay in `param_dtype`; the logits are float32.
 """
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -43,14 +44,17 @@ class MlpBlock(nn.Module):
     dropout_rate: float
     dtype: Any
     param_dtype: Any
+    use_bias: bool = True
 
     @nn.compact
     def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
         hidden_size = x.shape[-1]
-        x = nn.Dense(self.mlp_dim, dtype=self.dtype, param_dtype=self.param_dtype)(x)
-        x = nn.gelu(x)
+        dense = functools.partial(nn.Dense, use_bias=self.use_bias, dtype=self.dtype,
+                                  param_dtype=self.param_dtype)
+        x = dense(self.mlp_dim)(x)
+        x = nn.gelu(x)  # the tanh approximation (GPT-2's "gelu_new")
         x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
-        x = nn.Dense(hidden_size, dtype=self.dtype, param_dtype=self.param_dtype)(x)
+        x = dense(hidden_size)(x)
         return nn.Dropout(self.dropout_rate)(x, deterministic=not train)
 
 

@@ -21,7 +21,8 @@ import dataclasses
 import jax
 import numpy as np
 
-from jdp.checkpoint import load_params, trained
+from jdp import trained_run
+from jdp.checkpoint import load_params
 from jdp.data.text import lm, tokenizers
 from jdp.errors import ConfigError
 from jdp.models import decoding
@@ -77,14 +78,14 @@ def sampler_for(config, build_model, params, workdir: str) -> Sampler:
     copied to the host: a training run's hook keeps its devices' memory), the run's
     tokenizer (a trained one is in its token dir, under `workdir`)."""
     return Sampler(_transformer(build_model(config)), jax.device_get(params),
-                   _tokenizer(config, workdir))
+                   lm.run_tokenizer(config.data, workdir))
 
 
 def load(workdir: str, *, step: int | None = None, shard_params: bool | None = None) -> Sampler:
     """The sampler of a run: its experiment, config, tokenizer and the params of checkpoint
     `step` (default: the newest). `shard_params`: split them over the local devices (None:
     where they would take more than half of one device's memory)."""
-    run = trained.open_run(workdir)
+    run = trained_run.open_run(workdir)
     config = run.config
     compile_cache.enable(compile_cache.resolve_dir(config.get("compile_cache_dir", "")))
     model = _transformer(run.experiment.build_model(config))
@@ -100,7 +101,7 @@ def load(workdir: str, *, step: int | None = None, shard_params: bool | None = N
             mesh, mesh_lib.sharded_over_data(x.shape, len(devices), "devices"))),
         abstract_params)
     params = load_params(run.step_dir(step), placed)
-    return Sampler(model, params, _tokenizer(config, run.workdir))
+    return Sampler(model, params, run.tokenizer())
 
 
 def _transformer(model) -> Transformer:
@@ -108,11 +109,6 @@ def _transformer(model) -> Transformer:
         raise ConfigError(f"sampling needs a jdp.models.transformer.Transformer; the experiment "
                           f"builds a {type(model).__name__}. Fix: sample with your own decoding.")
     return model
-
-
-def _tokenizer(config, workdir: str) -> tokenizers.Tokenizer:
-    return tokenizers.from_spec(config.data.tokenizer, "data.tokenizer",
-                                lm.token_dir(config.data, workdir))
 
 
 def _too_big_for_one_device(abstract_params) -> bool:

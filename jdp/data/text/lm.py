@@ -391,6 +391,20 @@ def _tokenizer(data_config, directory: str) -> tokenizers.Tokenizer:
     return tokenizers.from_spec(data_config.tokenizer, "data.tokenizer", directory)
 
 
+def run_tokenizer(data_config, workdir: str) -> tokenizers.Tokenizer:
+    """The tokenizer of a run whose store is prepared (a "bpe:N" one is in its token dir)."""
+    return tokenizers.from_spec(data_config.tokenizer, "data.tokenizer",
+                                token_dir(data_config, workdir))
+
+
+def eval_store(data_config, workdir: str) -> store.TokenStore:
+    """The prepared token store of a run's held-out text."""
+    directory = token_dir(data_config, workdir)
+    if data_config.eval_text_files:
+        return store.open_store(os.path.join(directory, "eval"))
+    return store.open_split(split_dir(directory))[1]
+
+
 def tokenizer_vocab_size(data_config) -> int:
     """The configured tokenizer's vocabulary (ids 0 .. vocab_size - 1), known before a
     "bpe:N" tokenizer is trained (N)."""

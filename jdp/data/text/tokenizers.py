@@ -2,7 +2,8 @@
 
 A `Tokenizer` turns a document into int32 ids and back and has an end-of-document
 id (`eos_id`) that the token store puts after every document. `from_spec` builds one
-from the config string ("bytes", "sentencepiece:PATH", "hf:PATH") and
+from the config string ("bytes", "sentencepiece:PATH", "hf:PATH", or "hf_dir:DIR", the
+tokenizer.json of a transformers model directory) and
 `train_tokenizer` trains a SentencePiece or byte-level BPE model on the user's own
 files, offline. `identity` is what a token store records to tell whether it was made
 by the same tokenizer: the kind and a hash of the model file's content.
@@ -21,7 +22,7 @@ import numpy as np
 
 from jdp.errors import ConfigError
 
-SCHEMES = ("bytes", "sentencepiece:PATH", "hf:PATH")
+SCHEMES = ("bytes", "sentencepiece:PATH", "hf:PATH", "hf_dir:DIR")
 KINDS = ("sentencepiece", "bpe")
 # The end-of-document token of the byte-level BPE that `train_tokenizer` writes.
 HF_EOS = "<|endoftext|>"
@@ -148,6 +149,15 @@ class SentencePieceTokenizer(_FileTokenizer):
                              "trained with eos_id=-1); train one with an eos, e.g. with "
                              "jdp.data.text.tokenizers.train_tokenizer")
 
+    @property
+    def eos_token(self) -> str:
+        """The spelling of the end-of-document piece."""
+        return self._processor.id_to_piece(self.eos_id)
+
+    @property
+    def unk_token(self) -> str:
+        return self._processor.id_to_piece(self._processor.unk_id())
+
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._processor.encode(text), np.int32)
 
@@ -184,6 +194,11 @@ class HfTokenizer(_FileTokenizer):
             raise ValueError(f"the tokenizer {self.path} has none of the end-of-document "
                              f"tokens {list(_HF_EOS_CANDIDATES)}; add one as a special token")
 
+    @property
+    def eos_token(self) -> str:
+        """The spelling of the end-of-document token."""
+        return self._tokenizer.id_to_token(self.eos_id)
+
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
 
@@ -219,8 +234,8 @@ def trained_path(spec: str, directory: str) -> str:
 
 
 def from_spec(spec: str, field: str = "data.tokenizer", directory: str | None = None) -> Tokenizer:
-    """The tokenizer of "bytes", "sentencepiece:PATH", "hf:PATH", or "bpe:N" (trained
-    into `directory` when the store was prepared); ConfigError otherwise."""
+    """The tokenizer of "bytes", "sentencepiece:PATH", "hf:PATH", "hf_dir:DIR" or "bpe:N"
+    (trained into `directory` when the store was prepared); ConfigError otherwise."""
     where = f"config.{field}={spec!r}"
     if spec == "bytes":
         return ByteTokenizer()
@@ -232,6 +247,13 @@ def from_spec(spec: str, field: str = "data.tokenizer", directory: str | None = 
                               "token store first (train, or python -m jdp.text prepare).")
         return HfTokenizer(path)
     scheme, sep, path = str(spec).partition(":")
+    if scheme == "hf_dir" and path:  # a transformers model directory: its tokenizer.json,
+        # else its SentencePiece tokenizer.model
+        sentencepiece_model = os.path.join(os.path.expanduser(path), "tokenizer.model")
+        scheme, path = (("sentencepiece", sentencepiece_model) if os.path.isfile(
+            sentencepiece_model) and not os.path.isfile(os.path.join(
+                os.path.expanduser(path), "tokenizer.json"))
+            else ("hf", os.path.join(path, "tokenizer.json")))
     if not sep or scheme not in _FILE_KINDS:
         raise ConfigError(f"{where}: unknown tokenizer. Fix: use one of {', '.join(SCHEMES)}, "
                           "or bpe:N.")
