@@ -26,7 +26,7 @@ from jdp.data import prefetch, splits
 from jdp.experiment import adapters, optim
 from jdp.experiment.components import Components
 from jdp.experiment.loader import Experiment
-from jdp.observe import console, throughput
+from jdp.observe import console, goodput, throughput
 from jdp.observe.profiling import StepProfiler
 from jdp.observe.writers import JsonlWriter, MultiWriter, TensorBoardWriter, Writer
 from jdp.parallel import mesh as mesh_lib
@@ -93,7 +93,7 @@ class _TrainReport:
 
     def __init__(self, *, clock: throughput.WindowClock, guard: NonFiniteGuard, writer: Writer,
                  total_steps: int, device, model_flops_per_step: float | None,
-                 weight_unit: str, device_count: int):
+                 weight_unit: str, device_count: int, ledger: goodput.Ledger):
         self.clock = clock
         self.guard = guard
         self.writer = writer
@@ -103,6 +103,7 @@ class _TrainReport:
         self.model_flops_per_step = model_flops_per_step
         self.weight_unit = weight_unit  # what the loss weights count (Task.weight_unit)
         self.device_count = device_count
+        self.ledger = ledger  # the job's goodput so far, reported with every window
         self.flops_per_step = self.compiled_bytes = None  # known once compiled
         self.once: dict[str, float] = {}
         self.latest: tuple[int, dict] | None = None  # (window's step, values) last reported
@@ -122,6 +123,7 @@ class _TrainReport:
         values.update(throughput.flops_metrics(self.flops_per_step, self.model_flops_per_step,
                                                values["train/step_time_s"], self.peak_flops))
         values.update(throughput.memory_metrics(self.device, self.compiled_bytes))
+        values.update(self.ledger.metrics())
         values.update(self.once)
         self.once.clear()
         console.log_train(step, self.total_steps, values, throughput.eta_s(
@@ -182,6 +184,8 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, components:
         backend.put_batch)
     writer = _writers(config, workdir, is_writer, start_step)
     clock = throughput.WindowClock(split.global_batch_size, mesh.size)
+    ledger = goodput.Ledger(workdir, enabled=is_writer, start_step=start_step,
+                            phases=clock.totals)
     watchdog = Watchdog(config.watchdog_timeout_s) if config.watchdog_timeout_s else None
     heartbeat = watchdog.heartbeat if watchdog else (lambda step: None)
     busy = watchdog.busy if watchdog else (lambda step: contextlib.nullcontext())
@@ -195,7 +199,8 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, components:
     report = _TrainReport(clock=clock, guard=guard, writer=writer, total_steps=total_steps,
                           device=mesh.local_devices[0],
                           model_flops_per_step=model_flops_per_step,
-                          weight_unit=components.task.weight_unit, device_count=mesh.size)
+                          weight_unit=components.task.weight_unit, device_count=mesh.size,
+                          ledger=ledger)
     window = MetricWindow(backend.fetch, report)
 
     def run_eval(step, state) -> dict:
@@ -272,6 +277,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, components:
                 jax.block_until_ready(last_outputs[0])
             last_outputs[0] = metrics
             heartbeat(done)
+            ledger.step(done)
             reports_before = report.count
             window.flush()  # the previous log step's report, one step late
             hook_list.run(done, info_for(done, reports_before))
@@ -285,10 +291,13 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, components:
         notice.close()
         if watchdog:
             watchdog.stop()  # waiting for the last save may take longer than a step
-        checkpointer.wait()
+        with clock.timed("checkpoint"):
+            checkpointer.wait()
         checkpointer.close()
         writer.close()
+        ledger.flush()
     final_eval = evaluation.last
     if not final_eval:  # resumed at the end: evaluate what was restored
         final_eval = run_eval(total_steps, live.state)
+    ledger.finished(total_steps)
     return TrainResult(final_eval, backend.to_global(live.state, consume=True))
