@@ -42,6 +42,8 @@ import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 
+from jdp.runtime.leftovers import alive
+
 PREFIX = "jdpnet"
 # Host i is 198.18.0.<i + 1>; the /24 bounds a testbed to 254 hosts.
 SUBNET = "198.18.0"
@@ -151,8 +153,7 @@ class Testbed:
             ip("-n", self.switch, "link", "set", "dev", BRIDGE, "up")
             for host in range(self.hosts):
                 self._add_host(host)
-            if rate_mbit is not None:
-                self.set_rate(rate_mbit)
+            self.set_rate(rate_mbit)
         except BaseException:
             self.remove()
             raise
@@ -177,13 +178,17 @@ class Testbed:
         side, and the switch port's, which sends to the host."""
         return [(self.namespace(host), LINK), (self.switch, self._port(host))]
 
-    def set_rate(self, rate_mbit: float) -> None:
-        """Shapes every link to `rate_mbit` in each direction."""
+    def set_rate(self, rate_mbit: float | None) -> None:
+        """Shapes every link to `rate_mbit` in each direction (None: unshaped)."""
         for host in range(self.hosts):
             for namespace, device in self._ends(host):
-                tc("-n", namespace, "qdisc", "replace", "dev", device, "root", "tbf",
-                   "rate", f"{rate_mbit:g}mbit", "burst", str(burst_bytes(rate_mbit)),
-                   "latency", "50ms")
+                if rate_mbit is not None:
+                    tc("-n", namespace, "qdisc", "replace", "dev", device, "root", "tbf",
+                       "rate", f"{rate_mbit:g}mbit", "burst", str(burst_bytes(rate_mbit)),
+                       "latency", "50ms")
+                elif any(qdisc["kind"] == "tbf" for qdisc in json.loads(
+                        tc("-n", namespace, "-j", "qdisc", "show", "dev", device))):
+                    tc("-n", namespace, "qdisc", "del", "dev", device, "root")
 
     def set_link(self, host: int, up: bool) -> None:
         """Cuts (up=False) or restores host `host`'s link, at the switch: the host keeps
@@ -235,20 +240,10 @@ def remove_leftovers() -> list[str]:
     removed = []
     for name in sorted(named):
         match = _NAME.fullmatch(name)
-        if match and not _alive(int(match.group(1))):
+        if match and not alive(int(match.group(1))):
             _delete_namespace(name)
             removed.append(name)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 @contextlib.contextmanager

@@ -8,18 +8,24 @@ Each link speed is one job of 2 processes, each in its own emulated host
 (launch/netns.py: network namespaces, the link shaped by a token bucket in each
 direction). Each process runs the train step of every reduction (flat, two-level,
 two-level with bfloat16 or int8 across hosts, ZeRO-1 and FSDP over every device, the
-host modes) on a wide MLP whose gradient crossing the link dominates the step: a few
-steps to warm up, then `--steps` steps, each waited for, and their median time; and
-reads its host's interface counters around them: the bytes that crossed the link per
-step (what the host sent; loopback, inside the host, separately).
+host modes) on a wide MLP whose gradients are most of the step's work: a few steps to
+warm up, then `--steps` steps, each waited for, and their median time; and reads its
+host's interface counters around them: the bytes that crossed the link per step (what
+the host sent; loopback, inside the host, separately).
 
-The model (`jdp.bench.communication`): the same step's collectives as XLA compiles them
-here for 8 CPU devices split into 2 virtual hosts, each collective at the link's rate
-across hosts (less the TCP/IP and Ethernet headers) and `--loopback_gb_s` inside a host,
-one after another; the rest of the step, measured without any link (`--rates_mbit`
-includes 0: unshaped), is added to every reduction's time. The speed-up over flat,
-measured and modelled, is printed per reduction and link; the model also predicts the
-bytes per step the counters show.
+The model: the collectives of the same step as XLA compiles it here for 8 CPU devices in
+2 virtual hosts (`communication.step_traffic`), each at its kind's bandwidth inside a
+host and the link's rate (less the TCP/IP and Ethernet headers) across, one after
+another. The bandwidths inside a host are measured, not assumed: between processes
+XLA:CPU runs every collective over gloo's TCP, inside a host too (through loopback, at
+a few hundred MiB/s, where NVLink moves hundreds of GB/s). So a first job, on an
+unshaped link, times one collective of each kind inside a host and one across hosts,
+and the rest of each step (its compute) is what that job's step time leaves after its
+modelled communication. A ring's hops inside and across hosts overlap; gloo's
+reduce-scatter (halving-doubling) does its in-host exchanges first, then the
+cross-host ones. Where the modelled speed-up over flat is more than 25% off the
+measured one, the line ends its figure with `!`. Beside it, the speed-up the link alone
+gives, in-host collectives free: what `bench communication` models for accelerators.
 """
 
 from __future__ import annotations
@@ -34,9 +40,13 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 import numpy as np
+
+from jdp.dryrun import hlo
 
 MIB = 2**20
 # What a TCP segment of a full 1500-byte packet carries (1448 of the 1514 bytes on the
@@ -47,20 +57,18 @@ _NETNS = os.path.join(_REPO, "launch", "netns.py")
 _LINE = "network-job: "  # each job process's result lines start with this
 # In-host collectives at no cost: the communication model as `bench communication` uses
 # it for accelerators, whose in-host links are 10-100x faster than the network.
-_FREE_IN_HOST = collections.defaultdict(lambda: math.inf)
+_FREE_IN_HOST = dict.fromkeys(hlo.KINDS, math.inf)
 
 
 def add_arguments(parser, name: str) -> None:
     from jdp.bench.communication import REDUCTIONS
 
     parser.add_argument("--rates_mbit", default="1000,200",
-                        help="link speeds in Mbit/s, comma-separated (0: unshaped)")
+                        help="link speeds in Mbit/s, comma-separated (a job on an unshaped "
+                             "link runs first: the model's calibration)")
     parser.add_argument("--modes", default=",".join(REDUCTIONS),
                         help=f"reductions to measure, of {', '.join(REDUCTIONS)}")
     _add_model_arguments(parser)
-    parser.add_argument("--loopback_gb_s", type=float, default=1.0,
-                        help="the model's bandwidth of one device inside a host, GB/s (gloo "
-                             "over loopback TCP on this machine)")
 
 
 def _add_model_arguments(parser) -> None:
@@ -68,7 +76,11 @@ def _add_model_arguments(parser) -> None:
     parser.add_argument("--depth", type=int, default=2, help="the MLP's hidden layers")
     parser.add_argument("--features", type=int, default=768, help="input features")
     parser.add_argument("--batch_size", type=int, default=32, help="global batch")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per reduction")
+    parser.add_argument("--steps", type=int, default=3,
+                        help="timed steps per reduction, per repeat")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds over every reduction per link speed (interleaved: a "
+                             "change of the machine's load reaches every reduction alike)")
     parser.add_argument("--warmup", type=int, default=2, help="steps before timing")
 
 
@@ -117,9 +129,32 @@ def _interface_bytes() -> tuple[int, int, int]:
             sum(counter(d, "rx_bytes") for d in links), counter("lo", "tx_bytes"))
 
 
-def _measure(mode: str, args) -> dict:
+class _Timed:
+    """Something the job times, prepared once: a reduction's compiled step with its state
+    and batch, or one calibration collective."""
+
+    def __init__(self, name: str, run, steps: int):
+        self.name, self._run, self._steps = name, run, steps
+
+    def measure(self) -> dict:
+        """The median of `steps` runs, each waited for, and the interface bytes per run."""
+        before = _interface_bytes()
+        times = []
+        for _ in range(self._steps):
+            start = time.perf_counter()
+            self._run()
+            times.append(time.perf_counter() - start)
+        after = _interface_bytes()
+        sent, received, loopback = ((b - a) / self._steps for a, b in zip(before, after,
+                                                                           strict=True))
+        return {"name": self.name, "seconds": statistics.median(times), "sent": sent,
+                "received": received, "loopback": loopback}
+
+
+def _train_step(mode: str, args) -> _Timed:
+    """Mode `mode`'s train step on the job's mesh (one host per process), compiled with
+    jdp's XLA options and warmed up."""
     import jax
-    import optax  # noqa: F401  (the optimizer's import, before timing)
 
     from jdp.bench.communication import REDUCTIONS
     from jdp.experiment.task import classification
@@ -129,46 +164,37 @@ def _measure(mode: str, args) -> dict:
     fields = REDUCTIONS[mode]
     options = StepOptions(**fields, compiler_options=compiler_options(
         "cpu", "none", fields.get("shard_params", False)))
-    mesh = make_mesh()  # one host per process
-    backend = make_backend("pjit", mesh, _mlp(args.width, args.depth), classification(),
-                           _optimizer(), options)
+    backend = make_backend("pjit", make_mesh(), _mlp(args.width, args.depth),
+                           classification(), _optimizer(), options)
     example = _example(args.features)
-    state = backend.from_global(backend.init_global(jax.random.key(0),
-                                                    (example["image"][None],)))
+    held = [backend.from_global(backend.init_global(jax.random.key(0),
+                                                    (example["image"][None],)))]
     rows = args.batch_size // jax.process_count()
     rng = np.random.default_rng(jax.process_index())
     batch = backend.put_batch({
         "image": rng.normal(size=(rows, args.features)).astype(np.float32),
         "label": rng.integers(0, 10, size=(rows,)).astype(np.int32)})
-    step = backend.compiled_train_step(state, batch)
+    step = backend.compiled_train_step(held[0], batch)
+
+    def run() -> None:
+        held[0], metrics = step(held[0], batch)  # the state is donated: keep the new one
+        jax.block_until_ready((held[0], metrics))
+
     for _ in range(args.warmup):
-        state, metrics = step(state, batch)
-        jax.block_until_ready((state, metrics))
-    before = _interface_bytes()
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready((state, metrics))
-        times.append(time.perf_counter() - start)
-    after = _interface_bytes()
-    sent, received, loopback = ((b - a) / args.steps for a, b in zip(before, after,
-                                                                       strict=True))
-    return {"process": jax.process_index(), "mode": mode, "step_s": statistics.median(times),
-            "sent": sent, "received": received, "loopback": loopback}
+        run()
+    return _Timed(mode, run, args.steps)
 
 
-def _calibration(floats: int, repeats: int = 3) -> list[dict]:
-    """The seconds of one collective of each kind inside a host, and of an all-reduce
-    across hosts, of `floats` float32 per device (the all-gather's result, the cross-host
-    all-reduce's a host's share: 1/L of it), with the traffic the model gives each (jdp's
-    reading of its compiled program)."""
+def _calibration(floats: int, steps: int) -> list[tuple[_Timed, dict]]:
+    """One collective of each kind inside a host, and an all-reduce across hosts, of
+    `floats` float32 per device (the all-gather's result; the cross-host all-reduce's a
+    host's share, 1/L of it), compiled and warmed up, with the bytes the model gives
+    each (jdp's reading of its compiled program)."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from jdp import DATA_AXIS, HOSTS_AXIS, LOCAL_AXIS
-    from jdp.dryrun import hlo
     from jdp.parallel import mesh as mesh_lib
 
     mesh = mesh_lib.make_mesh()
@@ -183,29 +209,33 @@ def _calibration(floats: int, repeats: int = 3) -> list[dict]:
            "all-gather": lambda v: jax.lax.all_gather(v[:part], LOCAL_AXIS, tiled=True),
            "all-to-all": lambda v: jax.lax.all_to_all(v, LOCAL_AXIS, 0, 0, tiled=True),
            "across hosts": lambda v: jax.lax.psum(v[:part], HOSTS_AXIS)}
-    rows = []
+    timed = []
     for kind, op in ops.items():
-        step = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=spec, out_specs=spec,
-                                     check_vma=False)).lower(values).compile()
-        traffic = [c.traffic(mesh_lib.host_of(mesh)) for c in hlo.collectives(step.as_text())]
-        jax.block_until_ready(step(values))
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(step(values))
-            times.append(time.perf_counter() - start)
-        rows.append({"calibration": kind, "seconds": statistics.median(times),
-                     "intra": sum(t.intra_device_bytes for t in traffic),
-                     "cross": sum(t.cross_host_bytes for t in traffic)})
-    return rows
+        compiled = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=spec, out_specs=spec,
+                                         check_vma=False)).lower(values).compile()
+        traffic = [c.traffic(mesh_lib.host_of(mesh))
+                   for c in hlo.collectives(compiled.as_text())]
+
+        def run(compiled=compiled) -> None:
+            jax.block_until_ready(compiled(values))
+
+        run()
+        timed.append((_Timed(kind, run, steps),
+                      {"intra": sum(t.intra_device_bytes for t in traffic),
+                       "cross": sum(t.cross_host_bytes for t in traffic)}))
+    return timed
 
 
 def job_main(argv: list[str]) -> None:
-    """One process of the job: joins it (JDP_* variables), times the collectives of the
-    model's calibration, then measures each mode; prints one `network-job: {json}` line
-    per figure."""
+    """One process of the job: joins it (JDP_* variables), prepares every mode's step and
+    the calibration's collectives, then for each phase (a link speed the benchmark sets)
+    waits for the file `<phase_dir>/<phase>` and measures them all `--repeats` times,
+    interleaved; prints one `network-job: {json}` line per figure, and one per phase
+    done."""
     parser = argparse.ArgumentParser(prog="python -m jdp.bench.network")
     parser.add_argument("--modes", required=True)
+    parser.add_argument("--phases", type=int, required=True)
+    parser.add_argument("--phase_dir", required=True)
     _add_model_arguments(parser)
     args = parser.parse_args(argv)
     import jax
@@ -213,11 +243,21 @@ def job_main(argv: list[str]) -> None:
     from jdp.runtime import distributed
 
     distributed.initialize(None, None, None, timeout_s=120)
-    floats = _param_count(args)
-    for row in _calibration(floats):
-        print(_LINE + json.dumps({**row, "process": jax.process_index()}), flush=True)
-    for mode in args.modes.split(","):
-        print(_LINE + json.dumps(_measure(mode, args)), flush=True)
+    me = jax.process_index()
+    steps = [_train_step(mode, args) for mode in args.modes.split(",")]
+    calibration = _calibration(_param_count(args), args.steps)
+    for phase in range(args.phases):
+        while not os.path.exists(os.path.join(args.phase_dir, str(phase))):
+            time.sleep(0.1)
+        for repeat in range(args.repeats):
+            for timed, traffic in calibration:
+                print(_LINE + json.dumps({"phase": phase, "repeat": repeat, "process": me,
+                                          "calibration": True, **timed.measure(), **traffic}),
+                      flush=True)
+            for timed in steps:
+                print(_LINE + json.dumps({"phase": phase, "repeat": repeat, "process": me,
+                                          **timed.measure()}), flush=True)
+        print(_LINE + json.dumps({"phase": phase, "process": me, "done": True}), flush=True)
 
 
 def _param_count(args) -> int:
@@ -242,9 +282,10 @@ def _load_netns():
 
 
 @dataclasses.dataclass
-class Job:
-    """One job's figures: per mode the slower process's step time and the busier host's
-    bytes per step; per calibration kind its seconds and modelled bytes."""
+class Phase:
+    """The figures at one link speed, each the median over the repeats of the slower
+    process's seconds and the busier host's bytes: per mode (`steps`), and per
+    collective of the calibration with the bytes the model gives it."""
 
     steps: dict[str, dict[str, float]]
     calibration: dict[str, dict[str, float]]
@@ -260,28 +301,72 @@ class Job:
         return row["cross"] / row["seconds"]
 
 
-def _run_job(rate_mbit: float, args) -> Job:
-    """The job at `rate_mbit` (0: unshaped link)."""
-    rate = [f"--rate_mbit={rate_mbit:g}"] if rate_mbit else []
-    command = [sys.executable, _NETNS, *rate, "--num_processes=2", "--devices_per_process=4",
-               "--", sys.executable, "-m", "jdp.bench.network", f"--modes={args.modes}",
-               *(f"--{name}={getattr(args, name)}" for name in
-                 ("width", "depth", "features", "batch_size", "steps", "warmup"))]
-    proc = subprocess.run(command, cwd=_REPO, capture_output=True, text=True)
-    rows = [json.loads(line.split(_LINE, 1)[1]) for line in proc.stdout.splitlines()
-            if _LINE in line]
-    if proc.returncode or not rows:
-        raise SystemExit(f"network: the job at {rate_mbit:g} Mbit/s failed (status "
-                         f"{proc.returncode}):\n{proc.stderr[-4000:]}")
+def _phase(rows: list[dict], phase: int) -> Phase:
+    of_phase = [row for row in rows if row.get("phase") == phase and "name" in row]
+    out: dict[bool, dict[str, dict[str, float]]] = {True: {}, False: {}}
+    for calibration in (True, False):
+        mine = [row for row in of_phase if row.get("calibration", False) == calibration]
+        for name in dict.fromkeys(row["name"] for row in mine):
+            repeats = collections.defaultdict(list)  # repeat -> both processes' rows
+            for row in mine:
+                if row["name"] == name:
+                    repeats[row["repeat"]].append(row)
+            out[calibration][name] = {
+                field: statistics.median(max(row[field] for row in both)
+                                         for both in repeats.values())
+                for field in ("seconds", "sent", "loopback", "intra", "cross")
+                if field in mine[0]}
+    return Phase(out[False], out[True])
 
-    def slowest(key: str, name: str) -> dict[str, float]:
-        of_name = [row for row in rows if row.get(key) == name]
-        return {field: max(row[field] for row in of_name) for field in of_name[0]
-                if field not in (key, "process")}
 
-    return Job({mode: slowest("mode", mode) for mode in args.modes.split(",")},
-               {kind: slowest("calibration", kind) for kind in
-                {row["calibration"] for row in rows if "calibration" in row}})
+def _run_job(rates: list[float], args) -> list[Phase]:
+    """One job on 2 emulated hosts, measuring at each of `rates` (Mbit/s; 0: unshaped)
+    in turn: the link is set, then the job is told to go on (a file per phase)."""
+    netns = _load_netns()
+    with tempfile.TemporaryDirectory(prefix="jdp-bench-network-") as phase_dir:
+        command = [sys.executable, _NETNS, "--num_processes=2", "--devices_per_process=4",
+                   "--", sys.executable, "-m", "jdp.bench.network", f"--modes={args.modes}",
+                   f"--phases={len(rates)}", f"--phase_dir={phase_dir}",
+                   *(f"--{name}={getattr(args, name)}" for name in
+                     ("width", "depth", "features", "batch_size", "steps", "repeats",
+                      "warmup"))]
+        proc = subprocess.Popen(command, cwd=_REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        rows: list[dict] = []
+        errors: list[str] = []
+        readers = [threading.Thread(target=lambda: rows.extend(
+                       json.loads(line.split(_LINE, 1)[1]) for line in proc.stdout
+                       if _LINE in line), daemon=True),
+                   threading.Thread(target=lambda: errors.extend(proc.stderr), daemon=True)]
+        for reader in readers:
+            reader.start()
+
+        def wait_for(condition, what: str) -> None:
+            while not condition():
+                if proc.poll() is not None:
+                    for reader in readers:
+                        reader.join(timeout=10)
+                    raise SystemExit(f"network: the job ended (status {proc.returncode}) "
+                                     f"before {what}:\n{''.join(errors)[-4000:]}")
+                time.sleep(0.1)
+
+        bed = netns.Testbed(2, owner=proc.pid)
+        try:
+            wait_for(lambda: set(bed.namespaces()) <= set(netns.existing_namespaces()),
+                     "its testbed was made")
+            for phase, rate in enumerate(rates):
+                bed.set_rate(rate or None)
+                open(os.path.join(phase_dir, str(phase)), "w").close()
+                wait_for(lambda phase=phase: sum(row.get("phase") == phase and "done" in row
+                                                 for row in rows) == 2,
+                         f"it measured at {rate:g} Mbit/s")
+            proc.wait()
+            for reader in readers:
+                reader.join(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    return [_phase(rows, phase) for phase in range(len(rates))]
 
 
 def _modelled(args) -> dict[str, list]:
@@ -301,10 +386,18 @@ def _modelled(args) -> dict[str, list]:
 
 
 def _communication_s(traffic: list, intra: dict[str, float], cross: float) -> float:
-    """The model's communication time of a step: each collective at its kind's in-host
-    bandwidth and the link's, one after another."""
-    return sum(max(t.intra_device_bytes / intra[t.kind] if t.intra_device_bytes else 0.0,
-                   t.cross_host_bytes / cross) for t in traffic)
+    """The model's communication time of a step: the collectives one after another, each
+    at its kind's in-host bandwidth and the link's. A ring's hops inside and across
+    hosts overlap (the slower sets the time); gloo's reduce-scatter (halving-doubling)
+    exchanges with the near devices first, then the far ones: a reduce-scatter over
+    several hosts takes its in-host time, then its cross-host time."""
+    def inside(t) -> float:  # a kind not calibrated goes at the slowest one's bandwidth
+        if not t.intra_device_bytes:
+            return 0.0
+        return t.intra_device_bytes / (intra.get(t.kind) or min(intra.values()))
+
+    return sum(inside(t) + t.cross_host_bytes / cross if t.kind == "reduce-scatter"
+               else max(inside(t), t.cross_host_bytes / cross) for t in traffic)
 
 
 def run(args) -> None:
@@ -314,42 +407,47 @@ def run(args) -> None:
     modes = args.modes.split(",")
     if modes[0] != "flat":
         raise SystemExit("network: --modes must start with flat (the speed-ups' base)")
-    rates = [float(rate) for rate in args.rates_mbit.split(",") if float(rate) > 0]
+    rates = [float(rate) for rate in args.rates_mbit.split(",")]
+    if any(rate <= 0 for rate in rates):
+        raise SystemExit(f"network: --rates_mbit={args.rates_mbit}: every rate must be "
+                         "positive (an unshaped phase always runs first)")
     modelled = _modelled(args)
     print(f"2 hosts x 4 CPU devices; MLP {args.depth} x {args.width} on {args.features} "
           f"features ({_param_count(args) * 4 / MIB:.1f} MiB of gradients), global batch "
-          f"{args.batch_size}, {os.cpu_count()} CPU cores, load {os.getloadavg()[0]:.1f}",
+          f"{args.batch_size}; {os.cpu_count()} CPU cores, load {os.getloadavg()[0]:.1f}",
           flush=True)
-    # The unshaped job calibrates the model: the in-host bandwidth of each kind of
+    base, *shaped = _run_job([0.0, *rates], args)
+    # The unshaped phase calibrates the model: the in-host bandwidth of each kind of
     # collective, and the rest of each step (its compute).
-    base = _run_job(0, args)
     intra, open_link = base.intra_bytes_per_s(), base.cross_bytes_per_s()
-    print("in-host, per device: " + ", ".join(f"{kind} {value / MIB:.0f} MiB/s"
-                                              for kind, value in intra.items())
-          + f"; unshaped link {open_link * 8 / 1e6:.0f} Mbit/s", flush=True)
-    rest = {mode: max(base.steps[mode]["step_s"]
+    print("unshaped: in-host bandwidth per device " + ", ".join(
+        f"{kind} {value / MIB:.0f} MiB/s" for kind, value in intra.items())
+        + f"; across hosts {open_link * 8 / 1e6:.0f} Mbit/s; step " + ", ".join(
+        f"{mode} {base.steps[mode]['seconds'] * 1e3:.0f} ms" for mode in modes), flush=True)
+    rest = {mode: max(base.steps[mode]["seconds"]
                       - _communication_s(modelled[mode], intra, open_link), 0.0)
             for mode in modes}
     summary = []
-    for rate in rates:
-        job = _run_job(rate, args)
+    for rate, phase in zip(rates, shaped, strict=True):
         link = rate * 1e6 / 8 * PAYLOAD_PER_FRAME
-        print(f"{rate:g} Mbit/s link: gloo measured {job.cross_bytes_per_s() * 8 / 1e6:.0f} "
+        print(f"{rate:g} Mbit/s: gloo measured {phase.cross_bytes_per_s() * 8 / 1e6:.0f} "
               f"Mbit/s across hosts, the model {link * 8 / 1e6:.0f}", flush=True)
         predicted = {mode: rest[mode] + _communication_s(modelled[mode], intra, link)
                      for mode in modes}
-        # The communication model alone, in-host collectives free: `bench communication`.
-        link_only = {mode: _communication_s(modelled[mode], _FREE_IN_HOST, link) for mode in modes}
-        measured = {mode: job.steps[mode]["step_s"] for mode in modes}
+        link_only = {mode: _communication_s(modelled[mode], _FREE_IN_HOST, link)
+                     for mode in modes}
+        measured = {mode: phase.steps[mode]["seconds"] for mode in modes}
         for mode in modes:
             cross = sum(t.cross_host_bytes for t in modelled[mode]) / MIB
+            speedup = measured["flat"] / measured[mode]
+            modelled_speedup = predicted["flat"] / predicted[mode]
+            off = modelled_speedup / speedup - 1
             print(f"{rate:6g} Mbit/s {mode:14s} step {measured[mode] * 1e3:7.0f} ms, modelled "
-                  f"{predicted[mode] * 1e3:7.0f}; over flat: measured "
-                  f"{measured['flat'] / measured[mode]:5.2f}x, modelled "
-                  f"{predicted['flat'] / predicted[mode]:5.2f}x (link alone "
-                  f"{link_only['flat'] / link_only[mode]:5.2f}x); link "
-                  f"{job.steps[mode]['sent'] / MIB:6.2f} MiB/step (modelled {cross:6.2f}), "
-                  f"loopback {job.steps[mode]['loopback'] / MIB:6.1f}", flush=True)
+                  f"{predicted[mode] * 1e3:7.0f}; over flat: measured {speedup:5.2f}x, "
+                  f"modelled {modelled_speedup:5.2f}x ({off:+4.0%}{' !' if abs(off) > 0.25 else ''}"
+                  f"; link alone {link_only['flat'] / link_only[mode]:5.2f}x); link "
+                  f"{phase.steps[mode]['sent'] / MIB:6.2f} MiB/step (modelled {cross:6.2f}), "
+                  f"loopback {phase.steps[mode]['loopback'] / MIB:6.1f}", flush=True)
         summary.append(f"{rate:g} Mbit/s " + ", ".join(
             f"{mode} {measured['flat'] / measured[mode]:.2f}x" for mode in modes[1:]))
     print("network: measured speed-up over flat: " + "; ".join(summary))
