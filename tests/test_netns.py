@@ -7,6 +7,7 @@ exits with the documented status and a restart to the same final state.
 Needs root (network namespaces): skipped elsewhere, with the reason; CI runs as root."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -251,3 +252,21 @@ def test_a_flapping_link_stalls_the_job_but_loses_nothing(over_the_link, tmp_pat
     assert max(steps_at_cuts) < 16, steps_at_cuts  # every cut came while it trained
     assert not job.said("restart")
     assert_same_end(workdir, over_the_link[0])
+
+
+@pytest.mark.slow
+def test_the_network_benchmark_counts_the_bytes_its_model_predicts(capsys):
+    """`python -m jdp.bench network` at a tiny size: each reduction measured on both
+    hosts, the link's byte counters as the model predicts them, the summary last."""
+    from jdp.bench.__main__ import main
+
+    main(["network", "--modes=flat,int8", "--rates_mbit=1000", "--width=256", "--steps=1",
+          "--repeats=1", "--warmup=1"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert re.match(r"^network: measured speed-up over flat: 1000 Mbit/s int8 \d+\.\d\dx$",
+                    lines[-1]), lines[-5:]
+    for mode in ("flat", "int8"):
+        [row] = [line for line in lines if re.match(rf"^\s*1000 Mbit/s {mode} ", line)]
+        counted, modelled = map(float, re.search(
+            r"link\s+(\d+\.\d+) MiB/step \(modelled\s+(\d+\.\d+)\)", row).groups())
+        assert counted == pytest.approx(modelled, rel=0.1), row

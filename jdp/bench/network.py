@@ -63,12 +63,37 @@ _FREE_IN_HOST = dict.fromkeys(hlo.KINDS, math.inf)
 def add_arguments(parser, name: str) -> None:
     from jdp.bench.communication import REDUCTIONS
 
-    parser.add_argument("--rates_mbit", default="1000,200",
-                        help="link speeds in Mbit/s, comma-separated (a job on an unshaped "
+    parser.add_argument("--rates_mbit", type=_rates, default="1000,200",
+                        help="link speeds in Mbit/s, comma-separated (a phase on an unshaped "
                              "link runs first: the model's calibration)")
-    parser.add_argument("--modes", default=",".join(REDUCTIONS),
-                        help=f"reductions to measure, of {', '.join(REDUCTIONS)}")
+    parser.add_argument("--modes", type=_modes, default=",".join(REDUCTIONS),
+                        help=f"reductions to measure, flat first: {', '.join(REDUCTIONS)}")
     _add_model_arguments(parser)
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(rate) for rate in text.split(",")]
+    except ValueError:
+        rates = []
+    if not rates or any(rate <= 0 for rate in rates):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a list of link speeds. Fix: pass positive Mbit/s separated by "
+            "commas, e.g. 1000,200 (a phase on an unshaped link always runs first)")
+    return rates
+
+
+def _modes(text: str) -> list[str]:
+    from jdp.bench.communication import REDUCTIONS
+
+    modes = text.split(",")
+    unknown = [mode for mode in modes if mode not in REDUCTIONS]
+    if unknown or modes[0] != "flat":
+        what = f"unknown {', '.join(unknown)}" if unknown else "flat is not first"
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {what}. Fix: start with flat (the speed-ups' base), then any of "
+            f"{', '.join(REDUCTIONS)}")
+    return modes
 
 
 def _add_model_arguments(parser) -> None:
@@ -233,7 +258,7 @@ def job_main(argv: list[str]) -> None:
     interleaved; prints one `network-job: {json}` line per figure, and one per phase
     done."""
     parser = argparse.ArgumentParser(prog="python -m jdp.bench.network")
-    parser.add_argument("--modes", required=True)
+    parser.add_argument("--modes", type=_modes, required=True)
     parser.add_argument("--phases", type=int, required=True)
     parser.add_argument("--phase_dir", required=True)
     _add_model_arguments(parser)
@@ -244,7 +269,7 @@ def job_main(argv: list[str]) -> None:
 
     distributed.initialize(None, None, None, timeout_s=120)
     me = jax.process_index()
-    steps = [_train_step(mode, args) for mode in args.modes.split(",")]
+    steps = [_train_step(mode, args) for mode in args.modes]
     calibration = _calibration(_param_count(args), args.steps)
     for phase in range(args.phases):
         while not os.path.exists(os.path.join(args.phase_dir, str(phase))):
@@ -325,7 +350,8 @@ def _run_job(rates: list[float], args) -> list[Phase]:
     netns = _load_netns()
     with tempfile.TemporaryDirectory(prefix="jdp-bench-network-") as phase_dir:
         command = [sys.executable, _NETNS, "--num_processes=2", "--devices_per_process=4",
-                   "--", sys.executable, "-m", "jdp.bench.network", f"--modes={args.modes}",
+                   "--", sys.executable, "-m", "jdp.bench.network",
+                   f"--modes={','.join(args.modes)}",
                    f"--phases={len(rates)}", f"--phase_dir={phase_dir}",
                    *(f"--{name}={getattr(args, name)}" for name in
                      ("width", "depth", "features", "batch_size", "steps", "repeats",
@@ -382,7 +408,7 @@ def _modelled(args) -> dict[str, list]:
                          "--xla_force_host_platform_device_count=8")
     model, example = _mlp(args.width, args.depth), _example(args.features)
     return {mode: step_traffic(model, example, 2, mode, tx=_optimizer(), as_run_here=True)[0]
-            for mode in args.modes.split(",")}
+            for mode in args.modes}
 
 
 def _communication_s(traffic: list, intra: dict[str, float], cross: float) -> float:
@@ -404,13 +430,7 @@ def run(args) -> None:
     reason = _load_netns().unavailable_reason()
     if reason is not None:
         raise SystemExit(f"network: {reason}")
-    modes = args.modes.split(",")
-    if modes[0] != "flat":
-        raise SystemExit("network: --modes must start with flat (the speed-ups' base)")
-    rates = [float(rate) for rate in args.rates_mbit.split(",")]
-    if any(rate <= 0 for rate in rates):
-        raise SystemExit(f"network: --rates_mbit={args.rates_mbit}: every rate must be "
-                         "positive (an unshaped phase always runs first)")
+    modes, rates = args.modes, args.rates_mbit
     modelled = _modelled(args)
     print(f"2 hosts x 4 CPU devices; MLP {args.depth} x {args.width} on {args.features} "
           f"features ({_param_count(args) * 4 / MIB:.1f} MiB of gradients), global batch "
