@@ -202,8 +202,14 @@ def test_a_job_killed_once_and_restarted_reports_the_time_and_steps_it_lost(tmp_
     assert accounting.recomputed_steps == 7 - restored
     lost = reached_7[1] - reached_7[0]
     assert abs(accounting.seconds["failures"] - lost) < 1.0, (accounting.seconds, lost)
-    # As the job went: the last window's figures in metrics.jsonl (and TensorBoard).
+    # As the job went: the last window's figures in metrics.jsonl and TensorBoard.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     last = [r for r in read_metrics(workdir) if "train/loss" in r][-1]
     assert last["step"] == 10
     assert last["goodput/recomputed_steps"] == 7 - restored
     assert last["goodput/failures_s"] == pytest.approx(accounting.seconds["failures"])
+    events = EventAccumulator(str(workdir / "tensorboard"))
+    events.Reload()
+    [*_, final] = events.Scalars("goodput/failures_s")
+    assert (final.step, final.value) == (10, pytest.approx(last["goodput/failures_s"]))
