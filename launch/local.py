@@ -29,6 +29,9 @@ the one that failed were lost, down to M processes. jdp continues the same
 example stream with the same global batch on the devices that remain (the
 global batch must still divide them, or the restart fails with status 2).
 
+launch/netns.py runs the same job with each process in an emulated host of its own,
+the hosts joined by a shaped link (a test and benchmark tool).
+
 Standard library and jdp.runtime.exit_codes (which imports nothing), so it starts fast.
 """
 

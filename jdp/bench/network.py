@@ -295,7 +295,7 @@ def _param_count(args) -> int:
     return param_count(params)
 
 
-# -- the benchmark: a job per link speed, the model beside ----------------------------------
+# -- the benchmark: one job through every link speed, the model beside ---------------------
 
 def _load_netns():
     """launch/netns.py (a script of the checkout, not a module of the package)."""
@@ -327,6 +327,7 @@ class Phase:
 
 
 def _phase(rows: list[dict], phase: int) -> Phase:
+    """Phase `phase`'s figures from the job's rows (each process's, each repeat's)."""
     of_phase = [row for row in rows if row.get("phase") == phase and "name" in row]
     out: dict[bool, dict[str, dict[str, float]]] = {True: {}, False: {}}
     for calibration in (True, False):
