@@ -29,6 +29,9 @@ the one that failed were lost, down to M processes. jdp continues the same
 example stream with the same global batch on the devices that remain (the
 global batch must still divide them, or the restart fails with status 2).
 
+launch/netns.py runs the same job with each process in an emulated host of its own,
+the hosts joined by a shaped link (a test and benchmark tool).
+
 Standard library and jdp.runtime.exit_codes (which imports nothing), so it starts fast.
 """
 
@@ -191,14 +194,18 @@ def _copy_lines(source: BinaryIO, sink: BinaryIO, prefix: bytes, lock: threading
     source.close()
 
 
+# How one process is started: its command line and its environment.
+Start = tuple[Sequence[str], Mapping[str, str]]
+
+
 class ProcessGroup:
     """The N child processes, their output pumps, and stopping them together."""
 
-    def __init__(self, command: Sequence[str], envs: Sequence[Mapping[str, str]]) -> None:
+    def __init__(self, starts: Sequence[Start]) -> None:
         self.processes: list[subprocess.Popen[bytes]] = []
         self._pumps: list[threading.Thread] = []
         preexec_fn = _die_with_parent_hook()
-        for env in envs:
+        for command, env in starts:
             self.processes.append(
                 subprocess.Popen(
                     command,
@@ -290,8 +297,7 @@ def wait_for_first_failure(group: ProcessGroup) -> tuple[int, int] | None:
 
 
 def run(
-    command: Sequence[str],
-    start_envs: Callable[[int], Sequence[Mapping[str, str]]],
+    starts: Callable[[int], Sequence[Start]],
     grace_s: float,
     max_restarts: int = 0,
     num_processes: int = 1,
@@ -299,8 +305,8 @@ def run(
 ) -> int:
     """Runs the processes to completion, restarting them up to max_restarts times.
 
-    `start_envs(n)` gives the environments of n processes for each start (a
-    fresh port each time). A restart after a failure other than a preemption
+    `starts(n)` gives the command line and environment of each of n processes, for
+    each start (a fresh port each time). A restart after a failure other than a preemption
     starts one process fewer while more than `min_processes` remain. Returns the
     launcher's exit status.
     """
@@ -318,7 +324,7 @@ def run(
     try:
         restarts = 0
         while True:
-            group = ProcessGroup(command, start_envs(num_processes))
+            group = ProcessGroup(starts(num_processes))
             if signals_received:  # arrived while the processes were being started
                 group.signal_all(signals_received[0])
             # The first failure seen wins over the statuses of the processes it stops.
@@ -373,41 +379,51 @@ def _next_step(status: int, restart: bool, restarts: int, max_restarts: int) -> 
     return f"stopping the others; no restarts left ({max_restarts} used)"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args, command = parse_args(sys.argv[1:] if argv is None else argv)
+def job_envs(args: argparse.Namespace, num_processes: int,
+             coordinator_host: str = "127.0.0.1") -> list[dict[str, str]]:
+    """The environments of the `num_processes` processes of one start, for the options of
+    `parse_args`, with the coordinator (process 0) at `coordinator_host`."""
+    # A fresh port per start: the previous coordinator's may still be held.
+    coordinator_address = f"{coordinator_host}:{args.port or free_port()}"
+    return [
+        process_env(
+            os.environ,
+            process_id,
+            num_processes,
+            coordinator_address,
+            args.devices_per_process,
+            args.gpus_per_process,
+        )
+        for process_id in range(num_processes)
+    ]
 
-    def start_envs(num_processes: int) -> list[dict[str, str]]:
-        # A fresh port per start: the previous coordinator's may still be held.
-        coordinator_address = f"127.0.0.1:{args.port or free_port()}"
-        return [
-            process_env(
-                os.environ,
-                process_id,
-                num_processes,
-                coordinator_address,
-                args.devices_per_process,
-                args.gpus_per_process,
-            )
-            for process_id in range(num_processes)
-        ]
 
+def launch(args: argparse.Namespace, starts: Callable[[int], Sequence[Start]]) -> int:
+    """`run` with the options of `parse_args`: the launcher's exit status, 2 for a GPU
+    split that cannot be made, 127 for a command that cannot be started."""
     try:
-        start_envs(args.num_processes)  # reports an impossible GPU split before anything starts
+        starts(args.num_processes)  # reports an impossible GPU split before anything starts
     except ValueError as error:
         print(f"launch/local.py: {error}", file=sys.stderr)
         return exit_codes.BAD_CONFIG
     try:
         return run(
-            command,
-            start_envs,
+            starts,
             args.grace_s,
             args.max_restarts,
             args.num_processes,
             args.min_processes,
         )
     except OSError as error:  # the command could not be started
-        print(f"launch/local.py: cannot run {command[0]!r}: {error}", file=sys.stderr)
+        print(f"launch/local.py: cannot run {error.filename!r}: {error.strerror}",
+              file=sys.stderr)
         return 127
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, command = parse_args(sys.argv[1:] if argv is None else argv)
+    return launch(args, lambda num_processes: [
+        (command, env) for env in job_envs(args, num_processes)])
 
 
 if __name__ == "__main__":

@@ -152,17 +152,29 @@ def prepared_step(path: str, *overrides: str, devices=None, global_batch_size=12
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@functools.cache
-def load_launcher():
-    """launch/local.py as a module (a script, not part of the jdp package), loaded once:
-    xla_flags asks for it for every process a test starts."""
+def _load_script(name: str):
+    """launch/NAME.py as a module (the scripts there are not part of the jdp package)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "launch_local", os.path.join(REPO, "launch", "local.py"))
+        f"launch_{name}", os.path.join(REPO, "launch", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
+
+
+@functools.cache
+def load_launcher():
+    """launch/local.py, loaded once: xla_flags asks for it for every process a test
+    starts."""
+    return _load_script("local")
+
+
+@functools.cache
+def load_netns():
+    """launch/netns.py: emulated hosts joined by a shaped link."""
+    return _load_script("netns")
 
 
 def free_port() -> int:

@@ -42,8 +42,9 @@ TINY = {
 }
 
 
-# Run by its own test, which also reads what it writes (tests/test_bench_gpu.py).
-OWN_TEST = {"gpu"}
+# Run by their own tests: gpu's also reads what it writes (tests/test_bench_gpu.py);
+# network's needs root, for emulated hosts (tests/test_netns.py).
+OWN_TEST = {"gpu", "network"}
 
 
 def _jdp_trains_alike_on_prepared_input(lines: list[str]) -> None:
@@ -137,3 +138,16 @@ def test_overhead_measures_the_input_share_pair_by_pair():
     measured = {"jdp": [10.0, 5.0, 9.0], "prepared": [10.5, 5.5, 9.0],
                 "minimal": [10.0, 10.0, 9.0]}
     assert overhead._input_share(measured) == pytest.approx(0.05)  # of 0.05, 0.05, 0
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--rates_mbit=0", "argument --rates_mbit: '0' is not a list of link speeds. Fix: pass"),
+    ("--rates_mbit=fast", "argument --rates_mbit: 'fast' is not a list of link speeds."),
+    ("--modes=int8,flat", "argument --modes: 'int8,flat': flat is not first. Fix: start"),
+    ("--modes=flat,int4", "argument --modes: 'flat,int4': unknown int4. Fix: start with flat"),
+])
+def test_network_refuses_link_speeds_and_modes_it_cannot_measure(flag, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["network", flag])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

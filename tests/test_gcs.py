@@ -13,6 +13,7 @@ import pytest
 
 from jdp import main as jdp_main
 from jdp.errors import ConfigError
+from jdp.observe import goodput
 from jdp.observe.writers import read_metrics
 from jdp.runtime import storage
 from runs import (
@@ -117,6 +118,16 @@ def test_a_killed_bucket_run_resumes_with_bitwise_the_losses_of_a_local_run(kill
     steps = bucket_steps(killed_run)
     assert steps == list(range(1, 31)), "each step once, none lost"
     assert losses(read_metrics(killed_run)) == losses(local_run[1])
+
+
+def test_a_killed_bucket_run_keeps_its_goodput_in_chunks(killed_run):
+    """In a bucket the goodput records travel in chunks (the first at once, then at most
+    every 30 s): the killed attempt's unsent records count as time lost to its failure,
+    and the accounting still sees both attempts."""
+    accounting = goodput.account(goodput.read_records(killed_run))
+    assert (accounting.attempts, accounting.failures) == (2, 1)
+    assert accounting.furthest_step == 30
+    assert accounting.total_s > accounting.seconds["failures"] > 0
 
 
 def staged(directory) -> list[str]:

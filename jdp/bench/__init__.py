@@ -11,6 +11,8 @@
     python -m jdp.bench input        # input pipeline examples/s: threads vs worker processes
     python -m jdp.bench communication  # gradient bytes inside / across hosts and the modelled
                                        # time: flat, two-level, bf16 and int8 cross-host
+    python -m jdp.bench network  # the same reductions measured between emulated hosts
+                                 # over shaped links (root), beside the model
     python -m jdp.bench gpu --out=DIR  # the prepared GPU check (--smoke: its paths on CPU)
 
 Each subcommand lives in its own module of this package, which defines

@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "compile": "compile",
     "input": "input",
     "communication": "communication",
+    "network": "network",
     "gpu": "gpu",
 }
 

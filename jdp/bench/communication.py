@@ -23,6 +23,8 @@ modelled: the figure is the communication time alone.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -33,7 +35,7 @@ from jdp.dryrun.lowering import compile_to_read, lower_from_shapes
 from jdp.experiment import adapters
 from jdp.experiment.task import classification
 from jdp.models import resnet, vit
-from jdp.parallel import StepOptions, make_backend
+from jdp.parallel import StepOptions, compiler_options, make_backend
 from jdp.parallel import mesh as mesh_lib
 from jdp.parallel.mesh import make_mesh
 from jdp.parallel.two_level import param_count
@@ -82,19 +84,29 @@ def _model(spec: str, args):
     raise SystemExit(f"--models: unknown family {family!r} in {spec!r}; use vit or resnet")
 
 
-def step_traffic(model, args, reduction: str) -> tuple[list[hlo.Traffic], int, int]:
-    """(traffic of each collective of the lowered step, gradient bytes in float32, bytes
-    of params and optimizer state one device holds)."""
-    mesh = make_mesh(hosts=args.hosts)
+def step_traffic(model, example: dict, hosts: int, reduction: str, *,
+                 tx: optax.GradientTransformation | None = None,
+                 as_run_here: bool = False) -> tuple[list[hlo.Traffic], int, int]:
+    """(traffic of each collective of the step for batches of `example`s over every
+    device split into `hosts`, gradient bytes in float32, bytes of params and optimizer
+    state one device holds). `as_run_here`: every program read as compiled for this
+    machine's devices with the run's own XLA options (what a CPU run sends, bfloat16
+    widened), not only those in COMPILED."""
+    mesh = make_mesh(hosts=hosts)
     options = StepOptions(**REDUCTIONS[reduction])
-    backend = make_backend("pjit", mesh, model, classification(), optax.adamw(1e-3), options)
-    example = {"image": np.zeros((args.image_size, args.image_size, 3), np.float32),
-               "label": np.zeros((), np.int32)}
+    if as_run_here:
+        options = dataclasses.replace(options, compiler_options=compiler_options(
+            jax.default_backend(), "none", options.shard_params))
+    backend = make_backend("pjit", mesh, model, classification(), tx or optax.adamw(1e-3),
+                           options)
     lowered, state = lower_from_shapes(backend, (example["image"][None],), example, mesh.size)
     grad_bytes = param_count(state.params) * 4
-    program = (compile_to_read(lowered).as_text()
-               if reduction in COMPILED
-               else lowered.as_text(dialect="hlo"))
+    if as_run_here:
+        program = lowered.compile(options.compiler_options).as_text()
+    elif reduction in COMPILED:
+        program = compile_to_read(lowered).as_text()
+    else:
+        program = lowered.as_text(dialect="hlo")
     host_of = mesh_lib.host_of(mesh)
     state_bytes = mesh_lib.device_bytes((state.params, state.opt_state))
     return [op.traffic(host_of) for op in hlo.collectives(program)], grad_bytes, state_bytes
@@ -106,11 +118,14 @@ def run(args) -> None:
     print(f"{args.hosts} hosts x {local} devices; modelled at {args.intra_gb_s:g} GB/s per "
           f"device inside a host, {args.inter_gb_s:g} GB/s per host across hosts", flush=True)
     speedups, over_all_devices = {}, {}
+    example = {"image": np.zeros((args.image_size, args.image_size, 3), np.float32),
+               "label": np.zeros((), np.int32)}
     for spec in args.models.split(","):
         model = _model(spec, args)
         times = {}
         for reduction in REDUCTIONS:
-            traffic, grad_bytes, state_bytes = step_traffic(model, args, reduction)
+            traffic, grad_bytes, state_bytes = step_traffic(model, example, args.hosts,
+                                                            reduction)
             inside = sum(t.intra_device_bytes for t in traffic)
             across = sum(t.cross_host_bytes for t in traffic)
             times[reduction] = time_s = sum(t.time_s(intra, inter) for t in traffic)

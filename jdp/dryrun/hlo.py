@@ -164,7 +164,7 @@ class Collective:
                 else:
                     intra[host] = max(intra[host], per_device)
         return Traffic(intra_device_bytes=max(intra.values()),
-                       cross_host_bytes=max(cross.values()))
+                       cross_host_bytes=max(cross.values()), kind=self.kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +174,7 @@ class Traffic:
 
     intra_device_bytes: float
     cross_host_bytes: float
+    kind: str = ""  # the collective's (`KINDS`)
 
     def time_s(self, intra_bytes_per_s: float, cross_bytes_per_s: float) -> float:
         """Modelled time: the slower of the two kinds of link, each at its bandwidth

@@ -26,6 +26,7 @@ class WindowClock:
         self._window_start = self.started
         self._window_step = 0
         self._spent = dict.fromkeys(self.PHASES, 0.0)
+        self.totals = dict.fromkeys(self.PHASES, 0.0)  # since this clock was made
 
     def start(self, step: int) -> None:
         self._window_start, self._window_step = self.clock(), step
@@ -68,7 +69,9 @@ class _Timed:
         self._t0 = self._clock.clock()
 
     def __exit__(self, *exc) -> None:
-        self._clock._spent[self._phase] += self._clock.clock() - self._t0
+        spent = self._clock.clock() - self._t0
+        self._clock._spent[self._phase] += spent
+        self._clock.totals[self._phase] += spent
 
 
 def memory_metrics(device, compiled_bytes: int | None) -> dict[str, float]:

@@ -6,8 +6,10 @@ Writes one PNG per panel (every run overlaid) and `index.html` into --out (defau
 workdir's `report/`), and prints one summary row per run: final eval metrics, median
 examples/s, wall time and the phase that took the most time. A run with a profile window
 (`profile.num_steps`) also gets its step time split from the trace: compute, collectives
-(exposed, and how much overlapped compute), host/input wait and idle. The computations are
-pure functions of a run's records, so tests can check them without files.
+(exposed, and how much overlapped compute), host/input wait and idle. A run's goodput over
+its whole life, restarts included (`jdp.observe.goodput`), is shown with the table of where
+the rest of its time went. The computations are pure functions of a run's records, so
+tests can check them without files.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ matplotlib.use("Agg")  # before pyplot: reports are made on machines without a d
 import matplotlib.pyplot as plt  # noqa: E402
 
 from jdp.config import paths  # noqa: E402
-from jdp.observe import trace_phases  # noqa: E402
+from jdp.observe import goodput, trace_phases  # noqa: E402
 from jdp.observe.writers import metrics_lines  # noqa: E402
 from jdp.runtime import storage  # noqa: E402
 from jdp.runtime.exit_codes import BAD_CONFIG  # noqa: E402
@@ -334,10 +336,30 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def read_goodput(workdir: str) -> goodput.Accounting | None:
+    """The accounting of a workdir's goodput records; None for a run without them (one
+    trained before jdp kept them); ReportError for records that cannot be read."""
+    try:
+        return goodput.account(goodput.read_records(workdir))
+    except FileNotFoundError:
+        return None
+    except (goodput.GoodputError, UnicodeDecodeError) as e:
+        raise ReportError(str(e) if isinstance(e, goodput.GoodputError)
+                          else f"{workdir}'s goodput records are not text") from None
+
+
+def goodput_text(accountings: dict[str, goodput.Accounting]) -> str:
+    """Each run's goodput line and badput table."""
+    return "\n\n".join(f"{name}: {goodput.summary(accounting)}\n"
+                        f"{format_text_table(*goodput.table(accounting))}"
+                        for name, accounting in accountings.items())
+
+
 def write_report(runs: dict[str, list[Record]], out_dir: str,
-                 splits: dict[str, trace_phases.PhaseSplit] | None = None) -> list[str]:
+                 splits: dict[str, trace_phases.PhaseSplit] | None = None,
+                 goodputs: dict[str, goodput.Accounting] | None = None) -> list[str]:
     """Writes the PNGs and index.html into out_dir; returns the paths written. `splits`:
-    the profile windows' step-time splits, by run name."""
+    the profile windows' step-time splits, `goodputs` the runs' goodput, by run name."""
     os.makedirs(out_dir, exist_ok=True)
     panels = panels_for(runs)
     paths = []
@@ -348,6 +370,10 @@ def write_report(runs: dict[str, list[Record]], out_dir: str,
     paths.append(os.path.join(out_dir, "index.html"))
     profile = (f"<h1>Step time from the profile</h1>\n{html_table(*profile_table(splits))}\n"
                if splits else "")
+    profile += "".join(f"<h1>Goodput of {html.escape(name)}</h1>\n<p>"
+                       f"{html.escape(goodput.summary(accounting))}</p>\n"
+                       f"{html_table(*goodput.table(accounting))}\n"
+                       for name, accounting in (goodputs or {}).items())
     with open(paths[-1], "w") as f:
         f.write(index_html(header, rows, panels, profile))
     return paths
@@ -366,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = {name: read_records(workdir)
                 for name, workdir in zip(names, args.workdirs, strict=True)}
+        goodputs = {name: accounting for name, workdir in zip(names, args.workdirs, strict=True)
+                    if (accounting := read_goodput(workdir)) is not None}
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return BAD_CONFIG
@@ -379,10 +407,12 @@ def main(argv: list[str] | None = None) -> int:
         if split is not None:
             splits[name] = split
     out_dir = args.out or _default_out(args.workdirs[0])
-    paths = write_report(runs, out_dir, splits)
+    paths = write_report(runs, out_dir, splits, goodputs)
     print(format_text_table(*summary_table(runs)))
     if splits:
         print("\nstep time from the profile window:")
         print(format_text_table(*profile_table(splits)))
+    if goodputs:
+        print("\n" + goodput_text(goodputs))
     print(f"wrote {len(paths) - 1} plots and {paths[-1]}", file=sys.stderr)
     return 0

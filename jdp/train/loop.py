@@ -26,7 +26,7 @@ from jdp.data import prefetch, splits
 from jdp.experiment import adapters, optim
 from jdp.experiment.components import Components
 from jdp.experiment.loader import Experiment
-from jdp.observe import console, throughput
+from jdp.observe import console, goodput, throughput
 from jdp.observe.profiling import StepProfiler
 from jdp.observe.writers import JsonlWriter, MultiWriter, RecentWrites, TensorBoardWriter, Writer
 from jdp.parallel import mesh as mesh_lib
@@ -93,7 +93,8 @@ class _TrainReport:
 
     def __init__(self, *, clock: throughput.WindowClock, guard: NonFiniteGuard, writer: Writer,
                  total_steps: int, device, model_flops_per_step: float | None,
-                 weight_unit: str, device_count: int, log_every_steps: int):
+                 weight_unit: str, device_count: int, log_every_steps: int,
+                 ledger: goodput.Ledger):
         self.clock = clock
         self.guard = guard
         self.writer = writer
@@ -104,6 +105,7 @@ class _TrainReport:
         self.weight_unit = weight_unit  # what the loss weights count (Task.weight_unit)
         self.device_count = device_count
         self.log_every_steps = log_every_steps
+        self.ledger = ledger  # the job's goodput so far, reported with every window
         self.flops_per_step = self.compiled_bytes = None  # known once compiled
         self.once: dict[str, float] = {}
         self.latest: tuple[int, dict] | None = None  # (window's step, values) last reported
@@ -125,6 +127,7 @@ class _TrainReport:
         values.update(throughput.flops_metrics(self.flops_per_step, self.model_flops_per_step,
                                                values["train/step_time_s"], self.peak_flops))
         values.update(throughput.memory_metrics(self.device, self.compiled_bytes))
+        values.update(self.ledger.metrics())
         values.update(self.once)
         self.once.clear()
         console.log_train(step, self.total_steps, values, throughput.eta_s(
@@ -187,6 +190,8 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, components:
     recent = RecentWrites()  # a step's records, for its hooks (HookInfo.written)
     writer = MultiWriter([_writers(config, workdir, is_writer, start_step), recent])
     clock = throughput.WindowClock(split.global_batch_size, mesh.size)
+    ledger = goodput.Ledger(workdir, enabled=is_writer, start_step=start_step,
+                            phases=clock.totals)
     watchdog = Watchdog(config.watchdog_timeout_s) if config.watchdog_timeout_s else None
     heartbeat = watchdog.heartbeat if watchdog else (lambda step: None)
     busy = watchdog.busy if watchdog else (lambda step: contextlib.nullcontext())
@@ -201,7 +206,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, components:
                           device=mesh.local_devices[0],
                           model_flops_per_step=model_flops_per_step,
                           weight_unit=components.task.weight_unit, device_count=mesh.size,
-                          log_every_steps=config.log_every_steps)
+                          log_every_steps=config.log_every_steps, ledger=ledger)
     window = MetricWindow(backend.fetch, report)
 
     def run_eval(step, state) -> dict:
@@ -279,6 +284,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, components:
                 jax.block_until_ready(last_outputs[0])
             last_outputs[0] = metrics
             heartbeat(done)
+            ledger.step(done)
             reports_before = report.count
             window.flush()  # the previous log step's report, one step late
             hook_list.run(done, info_for(done, reports_before))
@@ -293,10 +299,13 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, components:
         notice.close()
         if watchdog:
             watchdog.stop()  # waiting for the last save may take longer than a step
-        checkpointer.wait()
+        with clock.timed("checkpoint"):
+            checkpointer.wait()
         checkpointer.close()
         writer.close()
+        ledger.flush()
     final_eval = evaluation.last
     if not final_eval:  # resumed at the end: evaluate what was restored
         final_eval = run_eval(total_steps, live.state)
+    ledger.finished(total_steps)
     return TrainResult(final_eval, backend.to_global(live.state, consume=True))
