@@ -44,7 +44,7 @@ SUFFIXES = (*PLAIN, *LINES, *(s + c for s in (*PLAIN, *LINES) for c in COMPRESSI
 _INSTALL = "pip install 'jdp[corpora]'"
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 _FIRST_BLOCK = 1 << 16  # decompressed by `check`: a file that is not gzip/zstd fails here
-_ROWS_PER_READ = 1024  # rows of a Parquet row group decoded at a time
+_ROWS_PER_READ = 256  # rows of a Parquet row group decoded at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,7 +338,7 @@ def check(path: str, text_field: str, field: str) -> None:
             lines = [line for line in first.split(b"\n") if line.strip()]
             if kind_ == "lines" and lines:
                 _json_text(lines[0], path, None, text_field, field)
-    except ConfigError:
+    except (ConfigError, MemoryError):  # MemoryError: Arrow's too, not the file's fault
         raise
     except _read_errors() as e:
         raise _unreadable(path, e, field) from e
@@ -378,7 +378,7 @@ def documents(path: str, piece: Piece | None = None, *, text_field: str = "text"
             yield from _parquet_documents(path, piece, text_field, field)
         else:
             yield from _arrow_documents(path, piece or Piece(0, 1 << 62, 0), text_field, field)
-    except ConfigError:
+    except (ConfigError, MemoryError):  # MemoryError: Arrow's too, not the file's fault
         raise
     except _read_errors() as e:
         raise _unreadable(path, e, field) from e

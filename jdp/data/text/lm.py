@@ -98,7 +98,8 @@ def _tokenizer(data_config, train_files: list[str], directory: str) -> tokenizer
         logging.info("training the %s tokenizer on %d files into %s", spec, len(train_files),
                      path)
         tokenizers.train_tokenizer(train_files, vocab_size=tokenizers.trained_vocab_size(spec),
-                                   out=path, kind="bpe", field="data.tokenizer")
+                                   out=path, kind="bpe", field="data.tokenizer",
+                                   text_field=data_config.text_field)
     elif not os.path.isfile(path):
         store.wait_for_file(path, f"the tokenizer {path}", WAIT_FOR_STORE_S)
     return tokenizers.from_spec(spec, "data.tokenizer", directory)
@@ -136,22 +137,18 @@ def split_dir(directory: str) -> str:
 
 
 def _stores(train_files, eval_files, tokenizer, directory: str, data_config):
-    """(train, eval) stores; process 0 prepares them, the others wait for them."""
-    rebuild = data_config.rebuild_tokens
-    leader = jax.process_index() == 0
+    """(train, eval) stores. Every process tokenizes its share of the shards (and helps
+    with the rest); process 0 merges them, the others wait for the stores."""
+    options = dict(rebuild=data_config.rebuild_tokens, text_field=data_config.text_field,
+                   processes=data_config.tokenize_processes or None,
+                   share=(jax.process_index(), jax.process_count()), wait_s=WAIT_FOR_STORE_S)
     if eval_files is None:
-        if leader:
-            return store.prepare_split(train_files, tokenizer, split_dir(directory),
-                                       eval_fraction=data_config.eval_fraction, rebuild=rebuild)
-        store.wait_for_store(os.path.join(split_dir(directory), "train"), WAIT_FOR_STORE_S)
-        return store.open_split(split_dir(directory))
+        return store.prepare_split(train_files, tokenizer, split_dir(directory),
+                                   eval_fraction=data_config.eval_fraction, **options)
     train_dir, eval_dir = os.path.join(directory, "train"), os.path.join(directory, "eval")
-    if leader:
-        return (store.prepare(train_files, tokenizer, train_dir, rebuild=rebuild),
-                store.prepare(eval_files, tokenizer, eval_dir, rebuild=rebuild,
-                              field="data.eval_text_files"))
-    return (store.wait_for_store(train_dir, WAIT_FOR_STORE_S),
-            store.wait_for_store(eval_dir, WAIT_FOR_STORE_S))
+    return (store.prepare(train_files, tokenizer, train_dir, **options),
+            store.prepare(eval_files, tokenizer, eval_dir, field="data.eval_text_files",
+                          **options))
 
 
 class _with_tokens_per_byte:  # noqa: N801 - a picklable function (worker processes)

@@ -42,8 +42,8 @@ SHARD_JSON = "shard.json"
 SHARD_BYTES = 32 << 20  # input bytes per shard (a larger piece is a shard of its own)
 # Documents are tokenized in batches of about this much text (the most text a
 # process holds, besides the largest single document).
-_BATCH_CHARS = 8 << 20
-_BATCH_DOCUMENTS = 4096
+_BATCH_CHARS = 2 << 20
+_BATCH_DOCUMENTS = 1024
 _PROGRESS_EVERY_S = 5.0
 
 

@@ -41,6 +41,10 @@ class PackedWindows:
     picklable (the store's memory map is opened again where it is unpickled).
     """
 
+    # `get_batch` reads the store's memory-mapped tokens: jdp.data.in_memory gathers each
+    # batch from them rather than reading every window into memory first.
+    memory_mapped = True
+
     def __init__(self, store: TokenStore | str, seq_len: int, *, document_mask: bool = True,
                  pad_last: bool = False) -> None:
         self.store = open_store(store) if isinstance(store, str) else store
