@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "memory": "memory",
     "compile": "compile",
     "input": "input",
+    "tokenize": "tokenize",
     "communication": "communication",
     "gpu": "gpu",
 }

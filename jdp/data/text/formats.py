@@ -172,7 +172,13 @@ def _json_text(line: bytes, path: str, number: int | None, text_field: str,
             f"{type(text).__name__} in {text_field!r}, not text. Fix: name a field that holds "
             "the documents as strings."))
     # JSON can escape lone surrogates, which have no UTF-8 form: U+FFFD, as for bytes.
-    return _LONE_SURROGATE.sub("\ufffd", text)
+    # (Checked by encoding: ~10x faster than searching with the pattern.)
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return _LONE_SURROGATE.sub("\ufffd", text)
+    return text
 
 
 def _line_pieces(path: str, size_bytes: int, piece_bytes: int) -> list[Piece]:

@@ -1,9 +1,9 @@
 """Tokenizing a corpus in shards, on as many cores as given, resumable after a kill.
 
 The documents of the input files, in order, are cut into *shards*: runs of consecutive
-file pieces (`formats.pieces`) of about `SHARD_BYTES` of input, a plan that depends on
-the files alone (their names, sizes, row groups), never on how many processes
-tokenize. Each shard is tokenized on its own, by any process, into a directory of the
+file pieces (`formats.pieces`) of about 1/64 of the input (1 to 16 MB), a plan that
+depends on the files alone (their names, sizes, row groups), never on how many
+processes tokenize. Each shard is tokenized on its own, by any process, into a directory of the
 work directory, `shard-NNNNNN/`: per output store (train and eval, or all) its
 documents' tokens, each followed by eos (`NAME.bin`), their token counts
 (`NAME.lengths.npy`), and `shard.json`, written last. A shard is written under a
@@ -39,7 +39,10 @@ from jdp.runtime import leftovers, storage
 
 PLAN = "plan.json"
 SHARD_JSON = "shard.json"
-SHARD_BYTES = 32 << 20  # input bytes per shard (a larger piece is a shard of its own)
+# Input bytes per shard (a larger piece is a shard of its own): 1/64 of the corpus, so
+# that small corpora are parallel too, within these bounds.
+SHARD_BYTES = 16 << 20
+MIN_SHARD_BYTES = 1 << 20
 # Documents are tokenized in batches of about this much text (the most text a
 # process holds, besides the largest single document).
 _BATCH_CHARS = 2 << 20
@@ -61,8 +64,9 @@ def available_cores() -> int:
 def plan(files: Sequence[dict], text_field: str, shard_bytes: int | None = None) -> list[list]:
     """The shards of `files` ({"path", "bytes", ...} in document order): each a list of
     [file index, start, stop, input bytes] pieces, consecutive, of about `shard_bytes`
-    (default `SHARD_BYTES`)."""
-    shard_bytes = shard_bytes or SHARD_BYTES
+    (default: 1/64 of the input, between MIN_SHARD_BYTES and SHARD_BYTES)."""
+    total = sum(entry["bytes"] for entry in files)
+    shard_bytes = shard_bytes or min(SHARD_BYTES, max(MIN_SHARD_BYTES, total // 64))
     shards: list[list] = []
     current: list = []
     size = 0
