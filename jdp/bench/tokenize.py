@@ -119,10 +119,11 @@ def _load() -> str:
 def run(args) -> None:
     os.makedirs(args.data_dir, exist_ok=True)
     counts = [int(n) for n in args.processes.split(",")]
+    low, high = counts[0], counts[-1]
     files = _corpus(args.data_dir, args.mb)
     print(f"corpus: {len(files)} .jsonl files, {args.mb} MB of the standard library's "
           f"sources repeated; {_load()}", flush=True)
-    summary = []
+    speedups, limits = [], []
     for name in args.tokenizers.split(","):
         spec = "bytes" if name == "bytes" else _bpe(args.data_dir, args.bpe_vocab)
         rates = {}
@@ -135,15 +136,15 @@ def run(args) -> None:
                 limit = _encode_batch_mb_per_s(files, spec, processes)
                 line += (f"; encode_batch with {processes} thread(s): {limit:.1f} MB/s; "
                          f"prepare / encode_batch = {rates[processes] / limit:.2f}")
+                limits.append(f"{name} at {processes}: {rates[processes] / limit:.2f}")
             print(f"{line} ({_load()})", flush=True)
-        if len(counts) > 1:
-            low, high = counts[0], counts[-1]
-            speedup = rates[high] / rates[low]
-            # 16 processes at the measured per-process rate and the measured efficiency.
-            efficiency = speedup / (high / low)
-            host_mb_per_s = rates[low] / low * 16 * efficiency
-            summary.append(f"{name}: {high} processes / {low} = {speedup:.2f}x; a 20 GB corpus "
-                           f"on a 16-core host: ~{20e3 / host_mb_per_s / 60:.0f} min "
-                           f"(extrapolated: {host_mb_per_s:.0f} MB/s)")
-    for line in summary:
-        print(line)
+        speedup = rates[high] / rates[low]
+        speedups.append(f"{name} {speedup:.2f}x")
+        # 16 processes at the measured rate of one and the measured parallel efficiency.
+        host_mb_per_s = rates[low] / low * 16 * speedup / (high / low)
+        print(f"{name}: a 20 GB corpus on a 16-core host: ~{20e3 / host_mb_per_s / 60:.0f} min "
+              f"at ~{host_mb_per_s:.0f} MB/s (extrapolated from {low} and {high} processes, not "
+              "measured)", flush=True)
+    print(f"tokenize: prepare with {high} processes / {low}: {', '.join(speedups)}"
+          + (f"; prepare / encode_batch with as many threads: {', '.join(limits)}"
+             if limits else ""))

@@ -12,10 +12,12 @@ rerun (same plan: same files, tokenizer, split and text field) tokenizes only th
 shards that are not. Concatenated in order, the shards are the store: the one store
 whatever the number of processes, bitwise.
 
-Processes: `processes` worker processes on this machine (spawned: safe after JAX has
-started threads), each tokenizing with one thread, and with `share=(i, n)` process i
-of n (hosts sharing the work directory) first tokenizes shards i, i+n, ... and then
-helps with any the others have not finished, so none waits on a dead or slow peer.
+Processes: `processes` worker processes on this machine (new interpreters running
+this module, `python -m jdp.data.text.shards`: safe after JAX has started threads,
+and needing nothing of the caller's main script), each tokenizing with one thread;
+with `share=(i, n)` process i of n (hosts sharing the work directory) first tokenizes
+shards i, i+n, ... and then helps with any the others have not finished, so none
+waits on a dead or slow peer. A shard done twice is the same bytes.
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import multiprocessing
 import os
 import secrets
 import shutil
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+import cloudpickle
 import numpy as np
 
 from jdp.data.text import formats
@@ -127,20 +132,25 @@ def _duration(seconds: float) -> str:
 
 
 class _Counters:
-    """Documents, text bytes and input bytes tokenized, shared by the worker processes."""
+    """Documents, text bytes and input bytes tokenized, added to from several threads;
+    `on_add` (optional) is told each addition."""
 
-    def __init__(self, shared=None) -> None:
-        self.values = shared if shared is not None else [0, 0, 0]
+    def __init__(self, on_add: Callable[[int, int, int], None] | None = None) -> None:
+        self.values = [0, 0, 0]
+        self.on_add = on_add
+        self.lock = threading.Lock()
 
     def add(self, documents: int, text_bytes: int, input_bytes: int) -> None:
-        lock = getattr(self.values, "get_lock", None)
-        with lock() if lock else contextlib.nullcontext():
+        with self.lock:
             self.values[0] += documents
             self.values[1] += text_bytes
             self.values[2] += input_bytes
+        if self.on_add is not None:
+            self.on_add(documents, text_bytes, input_bytes)
 
     def read(self) -> tuple[int, int, int]:
-        return tuple(self.values[:3])  # type: ignore[return-value]
+        with self.lock:
+            return self.values[0], self.values[1], self.values[2]
 
 
 # --- One shard ----------------------------------------------------------------------------
@@ -306,72 +316,148 @@ def read_shard(directory: str, index: int, name: str) -> tuple[dict, str, np.nda
 
 # --- Many shards, many processes ----------------------------------------------------------
 
-_worker: dict = {}
-
-
-def _start_worker(job: Job, shared) -> None:
-    from jdp.data.text import tokenizers
-
-    tokenizers.use_one_thread()
-    _worker.update(job=job, counters=_Counters(shared))
-
-
-def _work(index: int) -> tuple[int, bool]:
-    return index, tokenize_shard(_worker["job"], index, _worker["counters"])
-
 
 def order(num_shards: int, share: tuple[int, int]) -> list[int]:
-    """Process i of n: its own shards i, i+n, ... first, then everyone else's in order."""
+    """The shards process i of n tokenizes, in order: its own, i, i+n, ..., then the
+    others' from the last back, so that a process done early meets a slower one in
+    the middle of its list rather than following it shard by shard."""
     index, count = share
-    own = list(range(index, num_shards, count))
-    return own + [k for k in range(num_shards) if k % count != index]
+    return ([k for k in range(num_shards) if k % count == index]
+            + [k for k in reversed(range(num_shards)) if k % count != index])
+
+
+def _worker_command() -> list[str]:
+    return [sys.executable, "-m", "jdp.data.text.shards"]
+
+
+class _Worker:
+    """A tokenizing process of this machine: given the job and its shards (cloudpickle,
+    so tokenizers defined in a script travel too), it reports on stdout."""
+
+    def __init__(self, job: Job, indices: list[int], counters: _Counters) -> None:
+        # This process's import path, so that the worker imports what it imported (jdp
+        # from a checkout, a tokenizer's module), as multiprocessing's spawn does.
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false",
+               "PYTHONPATH": os.pathsep.join(path or os.getcwd() for path in sys.path)}
+        self.process = subprocess.Popen(_worker_command(), stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        self.tokenized = 0
+        self.stderr = b""
+        self._threads = [threading.Thread(target=self._read_stdout, args=(counters,),
+                                          daemon=True),
+                         threading.Thread(target=self._read_stderr, daemon=True)]
+        for thread in self._threads:
+            thread.start()
+        with contextlib.suppress(BrokenPipeError):  # it died at start: wait() says why
+            self.process.stdin.write(cloudpickle.dumps((job, indices)))
+            self.process.stdin.close()
+
+    def _read_stdout(self, counters: _Counters) -> None:
+        for line in self.process.stdout:
+            kind, *values = line.split()
+            if kind == b"progress":
+                counters.add(*map(int, values))
+            elif kind == b"tokenized":
+                self.tokenized += 1
+
+    def _read_stderr(self) -> None:
+        self.stderr = self.process.stderr.read()
+
+    def wait(self) -> None:
+        """Returns once it has exited and its output is read; raises what it failed with."""
+        code = self.process.wait()
+        for thread in self._threads:
+            thread.join()
+        message = self.stderr.decode("utf-8", "replace").strip()
+        if code == BAD_INPUT:  # a ConfigError, already one line
+            raise ConfigError(message.splitlines()[-1])
+        if code != 0:
+            raise RuntimeError(f"a tokenizing process ({' '.join(_worker_command())}) exited "
+                               f"{code}: {message[-3000:]}")
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+
+
+BAD_INPUT = 2  # a worker's exit status for a ConfigError
+
+
+def _worker_main() -> None:
+    from jdp.data.text import tokenizers
+
+    job, indices = cloudpickle.load(sys.stdin.buffer)
+    tokenizers.use_one_thread()
+
+    def report(documents: int, text_bytes: int, input_bytes: int) -> None:
+        print(f"progress {documents} {text_bytes} {input_bytes}", flush=True)
+
+    try:
+        for index in indices:
+            if tokenize_shard(job, index, _Counters(report)):
+                print(f"tokenized {index}", flush=True)
+    except ConfigError as e:
+        print(e, file=sys.stderr, flush=True)
+        sys.exit(BAD_INPUT)
 
 
 def tokenize(job: Job, *, processes: int, share: tuple[int, int],
              progress: Callable[[Progress], None]) -> Progress:
     """Tokenizes every shard of `job` that is not finished, with `processes` processes
-    (1: in this one) in `order(...)`; returns the final progress."""
+    of this machine (1: in this one), this machine's part in the order `order(...)`
+    gives; returns the final progress."""
     start = time.monotonic()
     sizes = [sum(piece[3] for piece in shard) for shard in job.shards]
-    reused = [k for k in range(len(job.shards)) if finished(job.directory, k)]
+    reused = {k for k in range(len(job.shards)) if finished(job.directory, k)}
+    todo = [k for k in order(len(job.shards), share) if k not in reused]
     reused_input = sum(sizes[k] for k in reused)
-    todo = [k for k in order(len(job.shards), share) if k not in set(reused)]
+    totals = _Counters()
     tokenized = 0
+    last_report = [start]
 
-    def report(counters: _Counters, final: bool = False) -> Progress:
-        documents, text_bytes, input_bytes = counters.read()
+    def report(final: bool = False) -> Progress:
+        documents, text_bytes, input_bytes = totals.read()
         state = Progress(documents, text_bytes, reused_input + input_bytes, reused_input,
                          sum(sizes), time.monotonic() - start, len(job.shards), len(reused),
                          tokenized, finished=final)
         progress(state)
+        last_report[0] = time.monotonic()
         return state
+
+    def report_now_and_then(*counts: int) -> None:
+        totals.add(*counts)
+        if time.monotonic() - last_report[0] >= _PROGRESS_EVERY_S:
+            report()
 
     if processes <= 1 or len(todo) <= 1:
         from jdp.data.text import tokenizers
 
-        counters = _Counters()
-        last = time.monotonic()
         with tokenizers.one_thread():
             for k in todo:
-                tokenized += tokenize_shard(job, k, counters)
-                if time.monotonic() - last >= _PROGRESS_EVERY_S:
-                    report(counters)
-                    last = time.monotonic()
-        return report(counters, final=True)
+                tokenized += tokenize_shard(job, k, _Counters(report_now_and_then))
+        return report(final=True)
 
-    context = multiprocessing.get_context("spawn")
-    shared = context.Array("q", 3)
-    counters = _Counters(shared)
-    with context.Pool(min(processes, len(todo)), initializer=_start_worker,
-                      initargs=(job, shared)) as pool:
-        results = pool.imap_unordered(_work, todo, chunksize=1)
-        remaining = len(todo)
-        while remaining:
-            try:
-                _, made = results.next(timeout=_PROGRESS_EVERY_S)
-            except multiprocessing.TimeoutError:
-                report(counters)
-                continue
-            tokenized += made
-            remaining -= 1
-    return report(counters, final=True)
+    count = min(processes, len(todo))
+    # Worker j: its own part of this machine's list, then the others' from the end.
+    workers = [_Worker(job, [todo[i] for i in order(len(todo), (j, count))], totals)
+               for j in range(count)]
+    try:
+        while any(worker.process.poll() is None for worker in workers):
+            for worker in workers:
+                if worker.process.poll():  # failed: say why now, the others are killed
+                    worker.wait()
+            time.sleep(0.2)
+            if time.monotonic() - last_report[0] >= _PROGRESS_EVERY_S:
+                tokenized = sum(worker.tokenized for worker in workers)
+                report()
+        for worker in workers:
+            worker.wait()
+    finally:
+        for worker in workers:
+            worker.kill()
+    tokenized = sum(worker.tokenized for worker in workers)
+    return report(final=True)
+
+
+if __name__ == "__main__":
+    _worker_main()
