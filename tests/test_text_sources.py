@@ -374,7 +374,18 @@ def test_a_run_over_a_parquet_file_without_the_field_fails_at_start(tmp_path):
     assert not (workdir / "tokens").exists() and not (workdir / "config.json").exists()
 
 
-def test_prepare_shows_documents_rate_and_eta_as_it_goes(formats, tmp_path):
+def test_progress_shows_documents_rate_and_an_eta_from_the_new_work_alone():
+    state = shards.Progress(documents=1200, text_bytes=50_000_000, input_done=60_000_000,
+                            input_reused=10_000_000, input_total=110_000_000, elapsed_s=10.0,
+                            shards_total=11, shards_reused=1, shards_tokenized=5)
+    line = state.line("DIR")
+    # 50 MB of input done in 10 s by this build (10 MB were reused): 50 MB left, 10 s.
+    assert line.startswith("tokenizing into DIR: 1,200 documents, 50.0 MB of text at "
+                           "5.0 MB/s, 55% of 110.0 MB of input (6 of 11 shards, 1 reused)")
+    assert line.endswith("ETA 0m10s")
+
+
+def test_prepare_prints_its_progress_on_the_command_line(formats, tmp_path):
     proc = _prepare_cli(tmp_path, formats["parquet"], "--processes=2", "--eval_fraction=0.2")
     assert proc.returncode == 0, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
