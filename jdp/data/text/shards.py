@@ -305,6 +305,21 @@ def tokenize_shard(job: Job, index: int, counters: _Counters) -> bool:
         shutil.rmtree(temporary, ignore_errors=True)
 
 
+def _whole(job: Job, index: int) -> bool:
+    """Whether a finished shard's files agree with its shard.json (a shard renamed in
+    before a machine crash could have lost data that was not yet on disk)."""
+    try:
+        for name in job.outputs:
+            counts, path, lengths = read_shard(job.directory, index, name)
+            if (os.path.getsize(path) != counts["tokens"] * np.dtype(job.dtype).itemsize
+                    or len(lengths) != counts["documents"]
+                    or int(lengths.sum()) != counts["tokens"]):
+                return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
 def read_shard(directory: str, index: int, name: str) -> tuple[dict, str, np.ndarray]:
     """(counts, path of the tokens, document lengths) of one output of a finished shard."""
     with open(os.path.join(shard_dir(directory, index), SHARD_JSON), encoding="utf-8") as f:
@@ -409,6 +424,9 @@ def tokenize(job: Job, *, processes: int, share: tuple[int, int],
     start = time.monotonic()
     sizes = [sum(piece[3] for piece in shard) for shard in job.shards]
     reused = {k for k in range(len(job.shards)) if finished(job.directory, k)}
+    for k in [k for k in reused if not _whole(job, k)]:  # tokenized again
+        shutil.rmtree(shard_dir(job.directory, k), ignore_errors=True)
+        reused.remove(k)
     todo = [k for k in order(len(job.shards), share) if k not in reused]
     reused_input = sum(sizes[k] for k in reused)
     totals = _Counters()
