@@ -81,8 +81,9 @@ def defaults() -> ml_collections.ConfigDict:
     c.data.document_mask = True  # segment ids and positions: attention within a document
     # "auto": a split is read into memory once and batched by vectorised numpy when its
     # preprocessing has a batch form and its arrays take at most 1 GiB (else it streams
-    # through grain, example by example); "true": always (an error where it cannot);
-    # "false": never. The batches are the same either way.
+    # through grain, example by example); a memory-mapped source (a token store's
+    # windows) is gathered from its map batch by batch, whatever its size; "true":
+    # always (an error where it cannot); "false": never. The batches are the same.
     c.data.in_memory = "auto"
     c.data.num_threads = 4  # threads preparing batches in the trainer (num_workers=0)
     # > 0: worker processes prepare the batches instead (CPU-heavy decoding, e.g. JPEG:
