@@ -25,6 +25,7 @@ named before anything is written. Parquet, Arrow and `.zst` need pyarrow
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import io
@@ -99,16 +100,21 @@ def _open(path: str) -> IO[bytes]:
     return storage.open_file(path, "rb")
 
 
-def _binary_stream(path: str) -> IO[bytes]:
+@contextlib.contextmanager
+def _binary_stream(path: str) -> Iterator[IO[bytes]]:
     """The file's bytes, decompressed on the fly where its name says it is compressed."""
     kind_ = compression(path)
-    raw = _open(path)
-    if kind_ == "gz":
-        return gzip.GzipFile(fileobj=raw)
-    if kind_ == "zst":
-        pa = _pyarrow()
-        return io.BufferedReader(pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd"))
-    return raw
+    with _open(path) as raw:
+        if kind_ == "gz":
+            with gzip.GzipFile(fileobj=raw) as stream:
+                yield stream
+        elif kind_ == "zst":
+            pa = _pyarrow()
+            with io.BufferedReader(pa.CompressedInputStream(pa.PythonFile(raw, mode="r"),
+                                                            "zstd")) as stream:
+                yield stream
+        else:
+            yield raw
 
 
 def _unreadable(path: str, error: BaseException, field: str) -> ConfigError:
