@@ -131,10 +131,10 @@ def run(args) -> None:
             with tempfile.TemporaryDirectory(prefix="jdp-bench-tokenize-", dir=args.data_dir) \
                     as scratch:
                 rates[processes] = _prepare_mb_per_s(files, spec, processes, scratch)
-            line = f"{name}: prepare with {processes} process(es): {rates[processes]:.1f} MB/s"
+            line = f"{name}: prepare with {processes} process(es): {rates[processes]:.3g} MB/s"
             if spec != "bytes":
                 limit = _encode_batch_mb_per_s(files, spec, processes)
-                line += (f"; encode_batch with {processes} thread(s): {limit:.1f} MB/s; "
+                line += (f"; encode_batch with {processes} thread(s): {limit:.3g} MB/s; "
                          f"prepare / encode_batch = {rates[processes] / limit:.2f}")
                 limits.append(f"{name} at {processes}: {rates[processes] / limit:.2f}")
             print(f"{line} ({_load()})", flush=True)
@@ -143,7 +143,7 @@ def run(args) -> None:
         # 16 processes at the measured rate of one and the measured parallel efficiency.
         host_mb_per_s = rates[low] / low * 16 * speedup / (high / low)
         print(f"{name}: a 20 GB corpus on a 16-core host: ~{20e3 / host_mb_per_s / 60:.0f} min "
-              f"at ~{host_mb_per_s:.0f} MB/s (extrapolated from {low} and {high} processes, not "
+              f"at ~{host_mb_per_s:.3g} MB/s (extrapolated from {low} and {high} processes, not "
               "measured)", flush=True)
     print(f"tokenize: prepare with {high} processes / {low}: {', '.join(speedups)}"
           + (f"; prepare / encode_batch with as many threads: {', '.join(limits)}"
