@@ -158,7 +158,7 @@ def test_overhead_runs_the_lm_line_on_the_text_path_with_config_overrides(capsys
     assert re.match(r"^overhead: jdp loop / minimal loop examples/s = \d+\.\d{3} ", lines[-1])
     [described] = [line for line in lines if line.startswith("pjit 1 device(s)")]
     assert "gpt.py model nano, batch 4" in described and "--config.data.seq_len=16" in described
-    jdp, minimal = re.findall(r"last window's loss (\d+\.\d+)", described)
+    [(jdp, minimal)] = re.findall(r"last window's loss (\d+\.\d+) and (\d+\.\d+)", described)
     assert jdp == minimal, described  # both loops trained on the same windows
 
 
