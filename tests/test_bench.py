@@ -36,6 +36,10 @@ TINY = {
     "input": (["--data_dir={tmp_path}", "--num_images=32", "--batch_size=8", "--examples=16",
                "--max_workers=1", "--repeats=1"],
               r"^input: \d+ workers / 1 worker examples/s = \d+\.\d+$"),
+    "tokenize": (["--data_dir={tmp_path}", "--mb=2", "--bpe_vocab=300"],
+                 r"^tokenize: prepare with 2 processes / 1: bytes \d+\.\d\dx, bpe \d+\.\d\dx; "
+                 r"prepare / encode_batch with as many threads: bpe at 1: \d+\.\d\d, "
+                 r"bpe at 2: \d+\.\d\d$"),
     "communication": (["--models=vit:nano", "--image_size=32", "--num_classes=16"],
                       r"^communication: host modes over the same sharding across every "
                       r"device: (\S+ \S+ \d+\.\d\dx \S+(, )?)+$"),
@@ -151,3 +155,27 @@ def test_network_refuses_link_speeds_and_modes_it_cannot_measure(flag, message, 
         main(["network", flag])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+@pytest.mark.slow  # two processes each compile a GPT and train it
+def test_overhead_runs_the_lm_line_on_the_text_path_with_config_overrides(capsys, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(8):
+        (corpus / f"doc{i}.txt").write_text(f"# document {i}\n" + "def f(x):\n    return x\n" * 40)
+    main(["overhead", "--config=experiments/gpt.py", "--model=nano", "--steps=4",
+          "--log_every=2", "--repeats=1", "--pairs_per_process=1", "--devices=1",
+          "--backends=pjit", "--config.data.seq_len=16", "--config.batch_size=4",
+          "--config.data.tokenizer=bytes", f"--config.data.text_files={corpus}/*.txt",
+          "--config.data.eval_fraction=0.5", "--config.eval_batch_size=4"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert re.match(r"^overhead: jdp loop / minimal loop examples/s = \d+\.\d{3} ", lines[-1])
+    [described] = [line for line in lines if line.startswith("pjit 1 device(s)")]
+    assert "gpt.py model nano, batch 4" in described and "--config.data.seq_len=16" in described
+    [(jdp, minimal)] = re.findall(r"last window's loss (\d+\.\d+) and (\d+\.\d+)", described)
+    assert jdp == minimal, described  # both loops trained on the same windows
+
+
+def test_config_overrides_go_only_to_benchmarks_that_load_an_experiment(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["memory", "--config.batch_size=8"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --config.batch_size=8" in capsys.readouterr().err

@@ -347,3 +347,23 @@ def test_init_from_hf_reads_a_transformers_model_in_a_bucket(gcs, tmp_path, monk
     assert model == local_model
     for leaf, ref in zip(jax.tree.leaves(params), jax.tree.leaves(local_params), strict=True):
         np.testing.assert_array_equal(leaf, ref)
+def test_parquet_text_in_a_bucket_makes_the_store_the_local_file_makes(gcs, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from jdp.data.text import corpus, store
+    from jdp.data.text.tokenizers import ByteTokenizer
+
+    texts = [open(path, encoding="utf-8").read() for path in corpus.stdlib_files()[:12]]
+    local = tmp_path / "part-0.parquet"
+    pq.write_table(pa.table({"text": texts}), local, row_group_size=3)
+    bucket = new_bucket(gcs, "text-corpus")
+    gcs.put_file(str(local), f"{bucket}/corpus/part-0.parquet")
+    files = corpus.expand_files(f"{bucket}/corpus/*.parquet", "data.text_files")
+    assert files == [f"{bucket}/corpus/part-0.parquet"]
+    in_bucket = store.prepare(files, ByteTokenizer(), str(tmp_path / "bucket"), processes=1)
+    on_disk = store.prepare([str(local)], ByteTokenizer(), str(tmp_path / "local"), processes=1)
+    assert in_bucket.num_documents == len([t for t in texts if t]) == on_disk.num_documents
+    for name in ("tokens.bin", "documents.npy"):
+        assert (tmp_path / "bucket" / name).read_bytes() == (tmp_path / "local" / name).read_bytes()
+    assert store.prepare(files, ByteTokenizer(), str(tmp_path / "bucket")).num_tokens == \
+        in_bucket.num_tokens  # reused: the object's size and generation are unchanged

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jdp.data.text import corpus, store, windows
+from jdp.data.text import corpus, shards, store, windows
 from jdp.data.text.store import open_store, prepare, prepare_split, wait_for_store
 from jdp.data.text.tokenizers import ByteTokenizer, from_spec, train_tokenizer
 from jdp.data.text.windows import PackedWindows, bits_per_byte, target_tokens_and_bytes
@@ -195,7 +195,7 @@ def test_jsonl_line_without_a_text_string_names_file_and_line(tmp_path):
     path = _write(tmp_path / "a.jsonl", '{"text": "ok"}\n\n{"body": "x"}\n')
     with pytest.raises(ConfigError) as info:
         list(corpus.iter_documents(path))
-    _one_line_error(info, f"{path}:3", '"text"', "Fix:")
+    _one_line_error(info, f"{path}:3", "text field 'text'", "its fields: 'body'", "Fix:")
     path = _write(tmp_path / "b.jsonl", '{"text": 3}\n')
     with pytest.raises(ConfigError, match="b.jsonl:1"):
         list(corpus.iter_documents(path))
@@ -239,10 +239,13 @@ def _small_corpus(tmp_path: Path) -> tuple[list[str], list[str]]:
 def test_store_holds_documents_each_followed_by_eos_with_exact_counts(tmp_path):
     files, documents = _small_corpus(tmp_path)
     reports = []
-    prepared = prepare(files, ByteTokenizer(), str(tmp_path / "store"),
-                       progress=lambda done, total: reports.append((done, total)))
+    prepared = prepare(files, ByteTokenizer(), str(tmp_path / "store"), progress=reports.append)
 
-    assert reports[-1] == (sum(map(os.path.getsize, files)),) * 2
+    last = reports[-1]
+    assert last.finished and (last.documents, last.text_bytes) == (
+        4, sum(len(d.encode()) for d in documents))
+    assert last.input_done == last.input_total == sum(map(os.path.getsize, files))
+    assert "4 documents" in last.line("store") and "done" in last.line("store")
     assert prepared.tokens.tolist() == _expected_tokens(documents)
     assert prepared.tokens.dtype == np.uint16
     lengths = [len(d.encode()) + 1 for d in documents]
@@ -336,34 +339,51 @@ def test_torn_store_is_refused_as_corrupt(tmp_path, damage):
 
 _KILLED_PREPARE = """
 import os, signal, sys
-from jdp.data.text import store, tokenizers
-store._BATCH_DOCUMENTS = 1
+from jdp.data.text import shards, store, tokenizers
+shards.SHARD_BYTES = int(sys.argv[2])
 class Dies(tokenizers.ByteTokenizer):
     calls = 0
-    def encode_batch(self, texts):
+    def encode_batch(self, texts):  # once per shard here: SIGKILL in the middle of one
         Dies.calls += 1
-        if Dies.calls == 2:
+        if Dies.calls == int(sys.argv[3]):
             os.kill(os.getpid(), signal.SIGKILL)
         return super().encode_batch(texts)
-store.prepare(sys.argv[2:], Dies(), sys.argv[1])
+store.prepare(sys.argv[4:], Dies(), sys.argv[1], processes=1)
 """
 
 
-def test_prepare_killed_midway_leaves_only_a_temp_dir_that_is_never_trusted(tmp_path):
-    files, documents = _small_corpus(tmp_path)
+def test_prepare_killed_midway_resumes_from_its_finished_shards_only(tmp_path, monkeypatch):
+    files, documents = _jsonl_corpus(tmp_path, 200)
     directory = tmp_path / "store"
-    proc = subprocess.run([sys.executable, "-c", _KILLED_PREPARE, str(directory), *files],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", _KILLED_PREPARE, str(directory), "1024", "4",
+                           *files], capture_output=True, text=True, timeout=120)
     assert proc.returncode == -9, proc.stderr
-    left = [name for name in os.listdir(tmp_path) if name != "in"]
-    assert len(left) == 1 and left[0].startswith("store.tmp-"), left
     assert not directory.exists()
     with pytest.raises(TimeoutError) as info:
         wait_for_store(str(directory), timeout_s=0.2, poll_s=0.05)
     _one_line_error(info, str(directory), "did not appear")
-    prepared = prepare(files, ByteTokenizer(), str(directory))
+    work = tmp_path / "store.shards"
+    names = sorted(os.listdir(work))
+    assert [n for n in names if n.startswith("shard-") and "." not in n] == [
+        "shard-000000", "shard-000001", "shard-000002"]
+    assert any(n.startswith("shard-000003.tmp-") for n in names)  # half-written: not trusted
+    # A finished shard whose tokens did not all reach the disk (a machine crash) is
+    # tokenized again, as the unfinished ones are.
+    with open(work / "shard-000001" / "all.bin", "r+b") as f:
+        f.truncate(4)
+    kept_documents = sum(
+        json.loads((work / name / "shard.json").read_text())["outputs"]["all"]["documents"]
+        for name in ("shard-000000", "shard-000002"))
+
+    monkeypatch.setattr(shards, "SHARD_BYTES", 1024)  # the same plan as the killed build
+    tokenizer, reports = CountingTokenizer(), []
+    prepared = prepare(files, tokenizer, str(directory), processes=1, progress=reports.append)
+    total = reports[-1].shards_total
+    assert total >= 6
+    assert (reports[-1].shards_reused, reports[-1].shards_tokenized) == (2, total - 2)
+    assert tokenizer.encoded == len(documents) - kept_documents  # only the shards redone
     assert prepared.tokens.tolist() == _expected_tokens(documents)
-    assert sorted(os.listdir(tmp_path)) == ["in", "store"]  # the dead process's temp dir is gone
+    assert sorted(os.listdir(tmp_path)) == ["in", "store"]  # shards and temp dirs are gone
 
 
 class BarrierTokenizer(ByteTokenizer):

@@ -9,6 +9,7 @@
     python -m jdp.bench memory       # per-device memory and traffic: replicated, ZeRO-1, FSDP
     python -m jdp.bench compile      # the train step's compile: empty vs warm compilation cache
     python -m jdp.bench input        # input pipeline examples/s: threads vs worker processes
+    python -m jdp.bench tokenize     # token store MB/s at 1 and 2 processes vs encode_batch
     python -m jdp.bench communication  # gradient bytes inside / across hosts and the modelled
                                        # time: flat, two-level, bf16 and int8 cross-host
     python -m jdp.bench network  # the same reductions measured between emulated hosts

@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "memory": "memory",
     "compile": "compile",
     "input": "input",
+    "tokenize": "tokenize",
     "communication": "communication",
     "network": "network",
     "gpu": "gpu",
@@ -40,7 +41,13 @@ def main(argv=None) -> None:
         sub = commands.add_parser(name, help=(module.__doc__ or "").splitlines()[0])
         module.add_arguments(sub, name)
         modules[name] = module
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    # `--config.FIELD=VALUE` overrides go to the benchmarks that load an experiment.
+    args.config_overrides = [arg for arg in unknown if arg.startswith("--config.")]
+    rest = [arg for arg in unknown if not arg.startswith("--config.")]
+    if rest or (args.config_overrides
+                and not getattr(modules[args.benchmark], "TAKES_CONFIG_OVERRIDES", False)):
+        parser.error(f"unrecognized arguments: {' '.join(rest or args.config_overrides)}")
     import jax  # after parsing: --help stays fast
 
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices, "

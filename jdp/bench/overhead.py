@@ -1,6 +1,12 @@
 """jdp's whole training loop against a minimal hand-written loop, in examples/s.
 
     python -m jdp.bench overhead [--model=tiny] [--steps=300] [--log_every=50]
+    python -m jdp.bench overhead --config=experiments/gpt.py --model=tiny \
+        --config.data.seq_len=64 --config.batch_size=12 --devices=1   # the LM line
+
+`--config.FIELD=VALUE` overrides the experiment's config in both loops. A text
+experiment's token store is prepared once, before the first pair, and shared by
+every run (data.token_dir in the benchmark's scratch directory).
 
 For each backend (pjit, pmap) and device count (1, 8), `--repeats` pairs of the two
 loops, each first in every other pair, each pair loading both loops' programs anew,
@@ -52,6 +58,7 @@ from jdp.bench import cpu_child_env, pair_order
 
 _CHILD_FLAG = "--_child"
 _DEFAULT_CONFIG = "experiments/vit.py"
+TAKES_CONFIG_OVERRIDES = True  # `--config.FIELD=VALUE` after the options
 
 
 def add_arguments(parser, name: str) -> None:
@@ -174,7 +181,8 @@ def _pairs_in_child(args, backend: str, devices: int, cache_dir: str, first: int
             f"--cache_dir={cache_dir}", f"--config={os.path.abspath(args.config)}",
             f"--model={args.model}", f"--steps={args.steps}", f"--log_every={args.log_every}",
             f"--first_pair={first}", f"--pairs={count}",
-            *(["--prepared_input"] if args.prepared_input else [])]
+            *(["--prepared_input"] if args.prepared_input else []),
+            *getattr(args, "config_overrides", [])]
     proc = subprocess.run(argv, capture_output=True, text=True, env=cpu_child_env(devices))
     if proc.returncode != 0:
         raise RuntimeError(f"the measuring process ({backend}, {devices} devices, pairs "
@@ -187,9 +195,11 @@ def _pairs_in_child(args, backend: str, devices: int, cache_dir: str, first: int
 
 
 def _overrides(args) -> list[str]:
-    """The experiment shortened to `--steps`, evaluated and saved only after the last
-    log window, on `--backend`, its compiled programs cached across repeats."""
-    overrides = [f"--config.total_steps={args.steps}", f"--config.log_every_steps={args.log_every}",
+    """The user's overrides, then the experiment shortened to `--steps`, evaluated and
+    saved only after the last log window, on `--backend`, its compiled programs cached
+    across repeats, a text experiment's token store kept in the scratch directory."""
+    overrides = [*args.config_overrides,
+                 f"--config.total_steps={args.steps}", f"--config.log_every_steps={args.log_every}",
                  "--config.eval_every_steps=0", "--config.checkpoint.every_steps=0",
                  f"--config.parallel.backend={args.backend}",
                  f"--config.compile_cache_dir={args.cache_dir}"]
@@ -198,13 +208,24 @@ def _overrides(args) -> list[str]:
     return overrides
 
 
+def _with_token_dir(config, cache_dir: str):
+    """A text experiment's store in the scratch directory, shared by every run of the
+    benchmark (prepared by the first, reused after), unless the user named one."""
+    from jdp.data.text import lm
+
+    if lm.uses_text(config.data) and not config.data.token_dir:
+        with config.unlocked():
+            config.data.token_dir = os.path.join(cache_dir, "tokens")
+    return config
+
+
 def _load(args):
     from jdp.main import load_config
 
     config = load_config(args.config, *_overrides(args))
     with config.unlocked():  # a short run keeps a valid schedule (warmup < total)
         config.warmup_steps = min(config.warmup_steps, args.steps // 2)
-    return config
+    return _with_token_dir(config, args.cache_dir)
 
 
 def _jdp_run(config, config_path: str, workdir: str | None = None
@@ -390,18 +411,20 @@ def _child(argv: list[str]) -> None:
     parser.add_argument("--first_pair", type=int, required=True)
     parser.add_argument("--pairs", type=int, required=True)
     add_arguments(parser, "overhead")
-    args = parser.parse_args(argv)
+    args, overrides = parser.parse_known_args(argv)
+    args.config_overrides = overrides
 
     from jdp.experiment import components, loader, optim
 
     config = _load(args)
     exp = loader.load(args.config)
-    built = components.build(exp, config)
+    built = components.build(exp, config, workdir=args.cache_dir)
     batches = _real_batches(config, built)
     tx = exp.build_optimizer(config, optim.learning_rate_fn(config))
     make_loop = _minimal_pjit if args.backend == "pjit" else _minimal_pmap
     workload = (f"{os.path.basename(args.config)} model {config.model.get('size', '')}, "
-                f"batch {config.batch_size}, {args.steps} steps")
+                f"batch {config.batch_size}, {args.steps} steps"
+                + (f", {' '.join(args.config_overrides)}" if args.config_overrides else ""))
     pairs = []
     for pair in range(args.first_pair, args.first_pair + args.pairs):
         outcome = {"workload": workload}

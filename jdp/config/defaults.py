@@ -75,20 +75,25 @@ def defaults() -> ml_collections.ConfigDict:
     c.data.std = ()
     c.data.augment = False
     # Text for language models (jdp.data.text.lm), instead of images when text_files is
-    # set: a glob or comma-separated globs of .txt/.md/.py/.jsonl files, or "stdlib" (the
-    # Python standard library's own sources, on every machine).
+    # set: a glob or comma-separated globs of .txt/.md/.py/.jsonl files (also .gz or .zst
+    # compressed), .parquet or .arrow files (local or gs://), "hf_disk:DIR[:split]" (a
+    # Hugging Face dataset saved with save_to_disk), or "stdlib" (the Python standard
+    # library's own sources, on every machine). One corpus, in the order of the paths.
     c.data.text_files = ""
+    c.data.text_field = "text"  # the field of .jsonl, Parquet and Arrow files with the text
     c.data.eval_text_files = ""  # held-out text; "" = eval_fraction of the documents
     c.data.eval_fraction = 0.01  # also `python -m jdp.text prepare`'s default
     c.data.tokenizer = "bytes"  # or "sentencepiece:PATH", "hf:PATH" (a tokenizer.json)
     c.data.token_dir = ""  # where the token store is kept; "" = <workdir>/tokens
     c.data.rebuild_tokens = False  # replace a store made from other inputs
+    c.data.tokenize_processes = 0  # processes tokenizing the store, per host; 0 = its cores
     c.data.seq_len = 128  # tokens per training example (windows of seq_len + 1)
     c.data.document_mask = True  # segment ids and positions: attention within a document
     # "auto": a split is read into memory once and batched by vectorised numpy when its
     # preprocessing has a batch form and its arrays take at most 1 GiB (else it streams
-    # through grain, example by example); "true": always (an error where it cannot);
-    # "false": never. The batches are the same either way.
+    # through grain, example by example); a memory-mapped source (a token store's
+    # windows) is gathered from its map batch by batch, whatever its size; "true":
+    # always (an error where it cannot); "false": never. The batches are the same.
     c.data.in_memory = "auto"
     c.data.num_threads = 4  # threads preparing batches in the trainer (num_workers=0)
     # > 0: worker processes prepare the batches instead (CPU-heavy decoding, e.g. JPEG:

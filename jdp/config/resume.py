@@ -13,7 +13,7 @@ RESUMABLE_CHANGES = ("total_steps", "log_every_steps", "eval_every_steps", "eval
                      "crash_on_nan", "skip_nonfinite_steps", "tensorboard", "tracker", "profile",
                      "watchdog_timeout_s", "checkpoint", "parallel", "data.data_dir",
                      "data.num_threads", "data.num_workers", "data.in_memory",
-                     "data.token_dir", "data.rebuild_tokens",
+                     "data.token_dir", "data.rebuild_tokens", "data.tokenize_processes",
                      "compile_cache_dir")
 
 

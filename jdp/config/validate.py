@@ -45,7 +45,7 @@ def validate(config: ml_collections.ConfigDict, device_count: int,
     check_choice(config, "checkpoint.keep_best_mode", ("max", "min"))
     check_choice(config, "data.in_memory", IN_MEMORY)
     for field in ("data.num_classes", "data.image_size", "data.num_threads",
-                  "data.num_workers"):
+                  "data.num_workers", "data.tokenize_processes"):
         check_positive(config, field, allow_zero=True)
     for field in ("shard_optimizer_state", "shard_params"):
         check_choice(config, f"parallel.{field}", SHARDING_MODES)

@@ -5,7 +5,8 @@ An experiment file may define `build_data(config) -> jdp.data.Data` (or
 eval *sources* (anything with `__len__` and `__getitem__(index) -> dict`: a
 TFDS data source, a grain source, `jdp.data.files` sources, numpy arrays
 wrapped in a class; one that also has `get_batch(indices) -> dict` of stacked
-examples is read into memory by it), the per-example preprocessing on the host and, optionally,
+examples is read into memory by it, or, with `memory_mapped = True`, asked for each
+batch), the per-example preprocessing on the host and, optionally,
 a batch preprocessing on the device. jdp keeps the rest: the global-index
 sampler, each process reading only its rows, padding and a mask for
 evaluation, worker processes, prefetching and resuming at a step.

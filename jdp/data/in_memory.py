@@ -1,15 +1,18 @@
-"""Splits that fit in memory: read once into arrays, batched by vectorised numpy.
+"""Splits batched by vectorised numpy: read once into arrays, or gathered from a memory map.
 
 Streaming a split through grain costs ~115 us of Python per example (read and
 decode, grain's wrappers, the index shuffle, a seeded generator): ~15 ms of CPU
 per 128-example batch, taken from the cores the step runs on. A split whose `Data`
-has a batch form of its preprocessing (`Data.batch_preprocess`) is instead read
-once, one array per feature, when `config.data.in_memory` is 'auto' and the arrays
-take at most `BUDGET_BYTES` ('true': whatever they take; 'false': never). A batch
-is then the source positions of its global indices (a lookup in the epoch's
-permutation), one fancy index per feature and one call of the batch preprocessing,
-in the thread that asks for it: `data.num_threads` and `data.num_workers` do not
-apply.
+has a batch form of its preprocessing (`Data.batch_preprocess`) is instead batched
+here, when `config.data.in_memory` is 'auto' or 'true' ('false': never). A source
+whose `get_batch` reads memory-mapped files (it says so with `memory_mapped = True`,
+as a token store's windows do) is gathered from them batch by batch: nothing is
+read ahead, so host memory does not grow with the corpus (the page cache holds what
+is read). Any other source is read once, one array per feature, when the arrays take
+at most `BUDGET_BYTES` ('auto'; 'true': whatever they take). A batch is then the
+source positions of its global indices (a lookup in the epoch's permutation), one
+gather and one call of the batch preprocessing, in the thread that asks for it:
+`data.num_threads` and `data.num_workers` do not apply.
 
 The batches are bitwise grain's (`streamed.example_stream`): global example g is
 in epoch g // n at the source position grain's shuffle gives g % n in that epoch
@@ -25,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 from absl import logging
@@ -44,12 +48,58 @@ class Unsuitable(Exception):
     """Why a split cannot be batched from memory."""
 
 
+class Rows(Protocol):
+    """A split's examples by source position, gathered a batch at a time."""
+
+    def __len__(self) -> int: ...
+
+    def gather(self, positions: np.ndarray) -> Batch:
+        """The stacked numeric features of the examples at `positions`."""
+
+    def describe(self) -> str:
+        """Where the examples come from, for the log."""
+
+
 @dataclasses.dataclass(frozen=True)
-class InMemoryTrain:
-    """The training split in memory: `batches` gives bitwise what
-    `streamed.StreamedTrain.batches` gives."""
+class ArrayRows:
+    """Examples read into memory once, one array per feature (`read`)."""
 
     arrays: Arrays
+
+    def __len__(self) -> int:
+        return len(next(iter(self.arrays.values())))
+
+    def gather(self, positions: np.ndarray) -> Batch:
+        return {key: array[positions] for key, array in self.arrays.items()}
+
+    def describe(self) -> str:
+        return (f"read into memory, {sum(a.nbytes for a in self.arrays.values()) / 2**20:.1f} "
+                "MiB (" + ", ".join(f"{k} {a.dtype}{list(a.shape[1:])}"
+                                    for k, a in self.arrays.items()) + ")")
+
+
+@dataclasses.dataclass(frozen=True)
+class MappedRows:
+    """Examples gathered by the source's own `get_batch` from memory-mapped files."""
+
+    source: Any
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def gather(self, positions: np.ndarray) -> Batch:
+        return self.source.get_batch(positions)
+
+    def describe(self) -> str:
+        return "gathered from memory-mapped files batch by batch (nothing read ahead)"
+
+
+@dataclasses.dataclass(frozen=True)
+class InMemoryTrain:
+    """The training split batched here: `batches` gives bitwise what
+    `streamed.StreamedTrain.batches` gives."""
+
+    rows: Rows
     batch_preprocess: BatchPreprocess
     order: Order
 
@@ -60,34 +110,30 @@ class InMemoryTrain:
         local_rows = np.arange(rows.start, rows.stop)
         for step in range(start_step, start_step + num_steps):
             indices = streamed.global_index(step, local_rows, global_batch_size)
-            batch = _gather(self.arrays, self.order.positions(indices))
+            batch = self.rows.gather(self.order.positions(indices))
             yield self.batch_preprocess(batch, self.order.generators(indices))
 
 
 @dataclasses.dataclass(frozen=True)
 class InMemoryEval:
-    """The evaluation split in memory: `batches` gives bitwise what
+    """The evaluation split batched here: `batches` gives bitwise what
     `streamed.StreamedEval.batches` gives, padding and mask included."""
 
-    arrays: Arrays
+    rows: Rows
     batch_preprocess: BatchPreprocess
 
     def batches(self, *, global_batch_size: int, rows: slice) -> Iterator[Batch]:
-        num_examples = len(next(iter(self.arrays.values())))
+        num_examples = len(self.rows)
         local_rows = np.arange(rows.start, rows.stop)
         for step in range(streamed.num_eval_batches(num_examples, global_batch_size)):
             indices = streamed.global_index(step, local_rows, global_batch_size)
             valid = indices < num_examples  # padding: copies of example 0, masked out
-            batch = _gather(self.arrays, np.where(valid, indices, 0))
+            batch = self.rows.gather(np.where(valid, indices, 0))
             yield {**self.batch_preprocess(batch, None), "mask": valid.astype(np.float32)}
 
 
-def _gather(arrays: Arrays, positions: np.ndarray) -> Batch:
-    return {key: array[positions] for key, array in arrays.items()}
-
-
-def load(data: Data, *, train: bool, setting: str) -> tuple[Arrays, BatchPreprocess] | None:
-    """The split's arrays and batch preprocessing (checked), None for setting 'false'."""
+def load(data: Data, *, train: bool, setting: str) -> tuple[Rows, BatchPreprocess] | None:
+    """The split's rows and batch preprocessing (checked), None for setting 'false'."""
     if setting == "false":
         return None
     split = "train" if train else "eval"
@@ -96,13 +142,15 @@ def load(data: Data, *, train: bool, setting: str) -> tuple[Arrays, BatchPreproc
         raise Unsuitable("its Data has no batch form of the preprocessing (Data.batch_preprocess; "
                           "jdp's image preprocessing has none for images it resizes)")
     source = data.train if train else data.eval
-    arrays = read(source, budget_bytes=BUDGET_BYTES if setting == "auto" else None)
-    _check_batch_form(arrays, source, data.preprocess_for(train), batch_preprocess,
+    if getattr(source, "memory_mapped", False) and hasattr(source, "get_batch"):
+        rows: Rows = MappedRows(source)
+    else:
+        rows = ArrayRows(read(source, budget_bytes=BUDGET_BYTES if setting == "auto" else None))
+    _check_batch_form(rows, source, data.preprocess_for(train), batch_preprocess,
                       train=train, where=f"config.data.in_memory={setting!r}: the {split} split")
-    logging.info("the %s split is batched from memory: %d examples, %.1f MiB (%s)", split,
-                 len(source), sum(a.nbytes for a in arrays.values()) / 2**20,
-                 ", ".join(f"{k} {a.dtype}{list(a.shape[1:])}" for k, a in arrays.items()))
-    return arrays, batch_preprocess
+    logging.info("the %s split is batched by numpy: %d examples, %s", split, len(source),
+                 rows.describe())
+    return rows, batch_preprocess
 
 
 def _is_numeric(value) -> bool:
@@ -144,7 +192,7 @@ def read(source, budget_bytes: int | None = None) -> Arrays:
     return arrays
 
 
-def _check_batch_form(arrays: Arrays, source, preprocess: Preprocess,
+def _check_batch_form(rows: Rows, source, preprocess: Preprocess,
                       batch_preprocess: BatchPreprocess, *, train: bool, where: str) -> None:
     """The batch preprocessing of the first examples must be bitwise the stacked
     per-example preprocessing (with generators seeded alike); a mistake is named here."""
@@ -159,13 +207,13 @@ def _check_batch_form(arrays: Arrays, source, preprocess: Preprocess,
            "preprocess(example, rng) gives, or pass --config.data.in_memory=false to use "
            "preprocess alone.")
     try:
-        got = batch_preprocess({key: array[:count] for key, array in arrays.items()},
-                               generators() if train else None)
+        batch = rows.gather(np.arange(count))
+        got = batch_preprocess(batch, generators() if train else None)
     except Exception as e:  # noqa: BLE001 - whatever the user's function raises
         raise ConfigError(
             f"{where}: its batch_preprocess failed on examples 0-{count - 1} "
             f"({type(e).__name__}: {e}); it gets the numeric features "
-            f"{sorted(arrays)}. {fix}") from e
+            f"{sorted(batch)}. {fix}") from e
     difference = _difference(got, expected)
     if difference:
         raise ConfigError(f"{where}: its batch_preprocess is not its preprocess for a batch: on "
@@ -199,6 +247,10 @@ class Order:
     its source position and the generator its preprocessing draws from."""
 
     _KEPT_EPOCHS = 2  # a batch spans at most two epochs (unless it holds more than one)
+    # Larger epochs (a big token store's windows) are shuffled batch by batch, for the
+    # indices asked alone, so memory stays bounded whatever the source's size (~0.3 ms a
+    # batch, where a kept permutation costs a lookup).
+    PERMUTATION_MAX_EXAMPLES = 1 << 22
 
     def __init__(self, num_examples: int, seed: int):
         self.num_examples = num_examples
@@ -214,15 +266,22 @@ class Order:
         positions = np.empty_like(offsets)
         for epoch in np.unique(epochs):
             here = epochs == epoch
-            positions[here] = self._permutation(int(epoch))[offsets[here]]
+            if self.num_examples > self.PERMUTATION_MAX_EXAMPLES:
+                positions[here] = index_shuffle.shuffle(offsets[here], self.num_examples,
+                                                        self._epoch_seed(int(epoch)))
+            else:
+                positions[here] = self._permutation(int(epoch))[offsets[here]]
         return positions
+
+    def _epoch_seed(self, epoch: int) -> int:
+        return (self._shuffle_seed + epoch) % 2**32  # grain's seed of epoch `epoch`
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch not in self._permutations:
             if len(self._permutations) >= self._KEPT_EPOCHS:
                 del self._permutations[next(iter(self._permutations))]  # the oldest
-            seed = (self._shuffle_seed + epoch) % 2**32  # grain's seed of epoch `epoch`
-            self._permutations[epoch] = index_shuffle.permutation(self.num_examples, seed)
+            self._permutations[epoch] = index_shuffle.permutation(self.num_examples,
+                                                                  self._epoch_seed(epoch))
         return self._permutations[epoch]
 
     def generator(self, global_index: int,

@@ -45,6 +45,26 @@ def permutation(size: int, seed: int, rounds: int = ROUNDS) -> np.ndarray:
     return values.astype(np.int64)
 
 
+def shuffle(indices: np.ndarray, size: int, seed: int, rounds: int = ROUNDS) -> np.ndarray:
+    """`permutation(size, seed)[indices]` for the given indices alone (int64), with memory
+    and time in proportion to them, not to `size`: for epochs too large to hold a
+    permutation of (a token store's windows). Above 2^16 the walks are short (each
+    value is above max_index with probability < 3/4); at or below it, the whole epoch's
+    permutation (at most 2^16 values) is computed."""
+    indices = np.asarray(indices, np.int64)
+    max_index = size - 1
+    bits = _block_bits(max(max_index, 1))
+    if bits == _MIN_BLOCK_BITS:
+        return permutation(size, seed, rounds)[indices]
+    keys = round_keys(seed, rounds)
+    values = _encrypt(indices.astype(np.uint64), keys, bits // 2)
+    walking = np.flatnonzero(values > max_index)
+    while walking.size:
+        values[walking] = _encrypt(values[walking], keys, bits // 2)
+        walking = walking[values[walking] > max_index]
+    return values.astype(np.int64)
+
+
 def _walk_table(table: np.ndarray, max_index: int) -> np.ndarray:
     """For every value v <= max_index of the block (and below its size): the first of
     table[v], table[table[v]], ... that is at most max_index.

@@ -2,7 +2,7 @@
 
 A split is opened once (`open_train`, `open_eval`) and asked for this
 process's rows of consecutive global batches. Two implementations give
-bitwise the same batches: a split that fits in memory is read once and
+bitwise the same batches: a split that fits in memory, or is memory-mapped, is
 batched by vectorised numpy (`jdp.data.in_memory`); the others stream through
 grain, example by example (`jdp.data.streamed`). Which one serves a split is
 decided here, from `config.data.in_memory` and what the data allows.

@@ -192,6 +192,16 @@ def remove(path: str) -> None:
         os.remove(path)
 
 
+def stat(path: str) -> tuple[int, int]:
+    """(bytes, mtime_ns) of a file; for a bucket object its generation stands for the
+    mtime (a number that changes whenever the object is written)."""
+    if not is_bucket(path):
+        info = os.stat(path)
+        return info.st_size, info.st_mtime_ns
+    info = _filesystem().info(path)
+    return int(info["size"]), int(info.get("generation") or 0)
+
+
 def glob(pattern: str) -> list[str]:
     """The files (not directories) a glob matches, bucket URLs included; `**` recurses."""
     if not is_bucket(pattern):

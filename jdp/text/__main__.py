@@ -2,7 +2,6 @@
 
 import argparse
 import sys
-import time
 
 from jdp.config import defaults, paths
 from jdp.errors import ConfigError
@@ -18,6 +17,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--vocab_size", type=int, required=True)
     train.add_argument("--out", required=True, help="the .model or tokenizer.json to write")
     train.add_argument("--kind", choices=("sentencepiece", "bpe"), default="sentencepiece")
+    train.add_argument("--text_field", default="text", help="as data.text_field")
     data = defaults().data
     prepare = commands.add_parser(
         "prepare", help="tokenize files into a token directory that a run names with "
@@ -32,22 +32,11 @@ def _parser() -> argparse.ArgumentParser:
                          help="documents held out for evaluation (as data.eval_fraction)")
     prepare.add_argument("--rebuild", action="store_true",
                          help="replace a token directory made from other inputs")
+    prepare.add_argument("--text_field", default=data.text_field,
+                         help="the field of .jsonl, Parquet and Arrow files with the documents")
+    prepare.add_argument("--processes", type=int, default=0,
+                         help="tokenizing processes (0: one per core this machine gives)")
     return parser
-
-
-class _Progress:
-    """One line on stderr every few seconds while a store is written."""
-
-    def __init__(self) -> None:
-        self.start = time.monotonic()
-
-    def __call__(self, done: int, total: int) -> None:
-        elapsed = max(time.monotonic() - self.start, 1e-9)
-        rate = done / elapsed
-        eta = (total - done) / rate if rate > 0 else float("nan")
-        print(f"jdp.text: tokenized {done / 1e6:.1f} of {total / 1e6:.1f} MB "
-              f"({100 * done / max(total, 1):.0f}%, {rate / 1e6:.1f} MB/s, ETA {eta:.0f} s)",
-              file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
@@ -58,7 +47,7 @@ def main(argv=None) -> int:
         if args.command == "tokenizer":
             files = corpus.expand_files(args.files, "files")
             spec = tokenizers.train_tokenizer(files, vocab_size=args.vocab_size, out=args.out,
-                                              kind=args.kind)
+                                              kind=args.kind, text_field=args.text_field)
             print(f"trained on {len(files)} files; train with --config.data.tokenizer={spec}")
             return 0
         out = paths.absolute(args.out)
@@ -68,9 +57,13 @@ def main(argv=None) -> int:
         data.eval_text_files = paths.absolute_list(args.eval_files)
         data.tokenizer = paths.absolute_spec(args.tokenizer)
         data.eval_fraction = args.eval_fraction
+        data.text_field = args.text_field
+        data.tokenize_processes = args.processes
         data.rebuild_tokens = args.rebuild
         # As a run's own store: reused while its files are unchanged, replaced on --rebuild.
-        train, held_out = lm.prepare(data, out, prepared=False, progress=_Progress())
+        train, held_out = lm.prepare(
+            data, out, prepared=False,
+            progress=lambda state: print(state.line(out), file=sys.stderr, flush=True))
     except ConfigError as e:
         print(f"jdp.text: error: {e}", file=sys.stderr)
         return BAD_CONFIG

@@ -19,7 +19,6 @@ import contextlib
 import errno
 import json
 import os
-import re
 import secrets
 import shutil
 import time
@@ -41,7 +40,10 @@ TOKENS_DIR = "tokens"  # inside the workdir, unless data.token_dir names another
 # so that naming the directory is enough to train on it.
 DESCRIPTION = "token_dir.json"
 DESCRIPTION_FORMAT = "jdp.text.token_dir"
-DESCRIBED = ("text_files", "eval_text_files", "tokenizer", "eval_fraction")
+DESCRIBED = ("text_files", "eval_text_files", "text_field", "tokenizer", "eval_fraction")
+# DIR.building: a token directory being made, shared by the job's processes; kept by a kill
+# so that the next build resumes from its finished shards.
+BUILDING = "building"
 # How long a process that does not prepare the store waits for process 0 to finish it.
 WAIT_FOR_STORE_S = 3600.0
 
@@ -113,7 +115,8 @@ def build_eval(data_config, *, run_token_dir: str, directory: str) -> Data:
     tokenizer = _tokenizer(data_config, run_token_dir)
     # The evaluation's own store: a changed file is tokenized again, not refused.
     eval_store = store.prepare(files, tokenizer, directory, rebuild=True,
-                               field="data.eval_text_files")
+                               field="data.eval_text_files", text_field=data_config.text_field,
+                               processes=data_config.tokenize_processes or None)
     evaluation = PackedWindows(eval_store, data_config.seq_len,
                                document_mask=data_config.document_mask, pad_last=True)
     eval_tokens, eval_bytes = target_tokens_and_bytes(evaluation)
@@ -225,9 +228,7 @@ def prepare(data_config, directory: str, *, prepared: bool,
                 "(--config.data.token_dir=DIR).")
     elif os.path.isdir(directory) and os.listdir(directory):
         return _made_before_descriptions(directory, data_config, prepared)
-    if jax.process_index() != 0:
-        return _wait_for(directory, data_config, prepared)
-    return _make(directory, data_config, check, progress,
+    return _make(directory, data_config, check, progress, prepared=prepared,
                  replace=description is not None)
 
 
@@ -265,12 +266,15 @@ def _open_matching(directory: str, data_config) -> tuple[TokenStore, TokenStore]
     tokenizer = _tokenizer(data_config, directory)
     if eval_files is None:
         split = store.open_matching(train_files, tokenizer, split_dir(directory),
-                                    eval_fraction=data_config.eval_fraction)
+                                    eval_fraction=data_config.eval_fraction,
+                                    text_field=data_config.text_field)
         return None if split is None else (split[0], split[1])
     train_dir, eval_dir = _layout(directory, data_config)
-    train = store.open_matching(train_files, tokenizer, train_dir)
+    train = store.open_matching(train_files, tokenizer, train_dir,
+                                text_field=data_config.text_field)
     evaluation = store.open_matching(eval_files, tokenizer, eval_dir,
-                                     field="data.eval_text_files")
+                                     field="data.eval_text_files",
+                                     text_field=data_config.text_field)
     return None if train is None or evaluation is None else (train[0], evaluation[0])
 
 
@@ -310,53 +314,110 @@ def _wait_for(directory: str, data_config, prepared: bool) -> tuple[TokenStore, 
         time.sleep(1.0)
 
 
-def _make(directory: str, data_config, check, progress, *, replace: bool):
-    """Makes the token directory in a temporary sibling and renames it into place."""
+def _make(directory: str, data_config, check, progress, *, prepared: bool, replace: bool):
+    """Makes the token directory in DIR.building and renames it into place.
+
+    DIR.building starts with the description of what it is being made from (a building of
+    other inputs is replaced). Every process of a job tokenizes its share of the shards
+    there (`store`'s resumable shards); process 0 trains a bpe:N tokenizer first, merges
+    the shards into the stores, runs `check` on them and renames the whole onto DIR. A
+    kill leaves DIR.building for the next build to resume from its finished shards; bad
+    input or a failed check removes it, and the parents it made."""
     train_files, eval_files = _files(data_config)
-    parent = os.path.dirname(directory)
-    created = _missing_parents(parent)  # removed again if the directory is not made
-    os.makedirs(parent, exist_ok=True)
-    leftovers.remove_dead(parent, re.escape(os.path.basename(directory)) + r"\.(?:tmp|old)",
-                          "[0-9a-f]+")
-    staging = f"{directory}.tmp-{leftovers.tag()}-{secrets.token_hex(4)}"
-    os.mkdir(staging)
+    building = f"{directory}.{BUILDING}"
+    leader = jax.process_index() == 0
+    created = _missing_parents(os.path.dirname(directory)) if leader else []
+    intent = {"format": DESCRIPTION_FORMAT, "version": 1,
+              **{key: data_config[key] for key in DESCRIBED}}
     try:
-        if tokenizers.trained_vocab_size(data_config.tokenizer) is not None:
-            path = tokenizers.trained_path(data_config.tokenizer, staging)
-            logging.info("training the %s tokenizer on %d files", data_config.tokenizer,
-                         len(train_files))
-            tokenizers.train_tokenizer(
-                train_files, vocab_size=tokenizers.trained_vocab_size(data_config.tokenizer),
-                out=path, kind="bpe", field="data.tokenizer")
-        tokenizer = _tokenizer(data_config, staging)
-        train_dir, eval_dir = _layout(staging, data_config)
-        if eval_files is None:
-            made = store.prepare_split(train_files, tokenizer, split_dir(staging),
-                                       eval_fraction=data_config.eval_fraction,
-                                       progress=progress)
+        if leader:
+            _start_building(building, intent)
         else:
-            made = (store.prepare(train_files, tokenizer, train_dir, progress=progress),
-                    store.prepare(eval_files, tokenizer, eval_dir, progress=progress,
-                                  field="data.eval_text_files"))
+            _wait_for_building(building, intent)
+        tokenizer = _trained_tokenizer(data_config, train_files, building, leader)
+        options = dict(rebuild=True,  # DIR.building is this build's own
+                       text_field=data_config.text_field,
+                       processes=data_config.tokenize_processes or None,
+                       share=(jax.process_index(), jax.process_count()), progress=progress)
+        if not leader:  # its share of the shards, then the directory process 0 publishes
+            _tokenize_share(train_files, eval_files, tokenizer, building, data_config, options)
+            return _wait_for(directory, data_config, prepared)
+        train_dir, eval_dir = _layout(building, data_config)
+        if eval_files is None:
+            made = store.prepare_split(train_files, tokenizer, split_dir(building),
+                                       eval_fraction=data_config.eval_fraction, **options)
+        else:
+            made = (store.prepare(train_files, tokenizer, train_dir, **options),
+                    store.prepare(eval_files, tokenizer, eval_dir, field="data.eval_text_files",
+                                  **options))
         if check is not None:
             check(made)
-        with open(os.path.join(staging, DESCRIPTION), "w", encoding="utf-8") as f:
-            json.dump({"format": DESCRIPTION_FORMAT, "version": 1,
-                       **{key: data_config[key] for key in DESCRIBED}}, f, indent=1)
-        _publish(staging, directory, replace=replace)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        for made in created:  # deepest first; kept if something else appeared in it
-            with contextlib.suppress(OSError):
-                os.rmdir(made)
+        _publish(building, directory, replace=replace)
+    except ConfigError:  # bad input or a failed check: nothing of this build is kept
+        if leader:
+            shutil.rmtree(building, ignore_errors=True)
+            for made_dir in created:  # deepest first; kept if something else appeared in it
+                with contextlib.suppress(OSError):
+                    os.rmdir(made_dir)
         raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # nothing left there once renamed
     description = read_description(directory)
     if description is None or _contradictions(description, data_config):
         raise ConfigError(f"token directory {directory} was just made by another process from "
                           "other inputs. Fix: give each run its own data.token_dir.")
     return _open_as_made(directory, data_config)
+
+
+def _start_building(building: str, intent: dict) -> None:
+    """DIR.building for `intent`: a killed build's of the same inputs kept (its shards
+    resume), one of other inputs replaced."""
+    if not os.path.isdir(building) or read_description(building) != intent:
+        shutil.rmtree(building, ignore_errors=True)
+        os.makedirs(building)
+        temporary = os.path.join(building, DESCRIPTION + ".tmp")
+        with open(temporary, "w", encoding="utf-8") as f:
+            json.dump(intent, f, indent=1)
+        os.replace(temporary, os.path.join(building, DESCRIPTION))
+
+
+def _wait_for_building(building: str, intent: dict) -> None:
+    """For processes other than 0: until process 0 has started DIR.building for `intent`."""
+    deadline = time.monotonic() + WAIT_FOR_STORE_S
+    while not (os.path.isfile(os.path.join(building, DESCRIPTION))
+               and read_description(building) == intent):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{building} was not started within {WAIT_FOR_STORE_S:g} s. "
+                               "Fix: check that process 0 is running and can write there.")
+        time.sleep(1.0)
+
+
+def _trained_tokenizer(data_config, train_files: list[str], building: str,
+                       leader: bool) -> tokenizers.Tokenizer:
+    """The configured tokenizer; a bpe:N one trained on the training files into
+    DIR.building by process 0 (once: a kept building keeps it), waited for by the others."""
+    vocab_size = tokenizers.trained_vocab_size(data_config.tokenizer)
+    if vocab_size is not None:
+        path = tokenizers.trained_path(data_config.tokenizer, building)
+        if leader and not os.path.isfile(path):
+            logging.info("training the %s tokenizer on %d files", data_config.tokenizer,
+                         len(train_files))
+            tokenizers.train_tokenizer(train_files, vocab_size=vocab_size, out=path, kind="bpe",
+                                       field="data.tokenizer", text_field=data_config.text_field)
+        elif not os.path.isfile(path):
+            store.wait_for_file(path, f"the tokenizer {path}", WAIT_FOR_STORE_S)
+    return _tokenizer(data_config, building)
+
+
+def _tokenize_share(train_files, eval_files, tokenizer, building: str, data_config,
+                    options: dict) -> None:
+    """A process other than 0's share of the shards of the stores `_make` builds."""
+    train_dir, eval_dir = _layout(building, data_config)
+    if eval_files is None:
+        store.tokenize_share(train_files, tokenizer, split_dir(building),
+                             eval_fraction=data_config.eval_fraction, **options)
+        return
+    store.tokenize_share(train_files, tokenizer, train_dir, **options)
+    store.tokenize_share(eval_files, tokenizer, eval_dir, field="data.eval_text_files",
+                         **options)
 
 
 def _missing_parents(directory: str) -> list[str]:

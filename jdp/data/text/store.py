@@ -10,17 +10,20 @@ so every document is both preceded and ended by an eos, and every token of every
 document is some position's next-token target. `documents.npy` (int64, n + 1
 entries) holds where each document starts: document i is tokens[s[i] : s[i+1] - 1]
 and its eos is tokens[s[i+1] - 1]; s[0] == 1 and s[n] == the number of tokens. The
-manifest records the input files (size, mtime_ns), the tokenizer's identity, the
-counts (documents, tokens, UTF-8 bytes of the text) and the dtype, and is written
-last. `prepare` builds a store in a temporary sibling directory and renames it in,
-so a directory named by a config is either absent or complete.
+manifest records the input files (size, mtime_ns) in document order and the rule of
+that order, the tokenizer's identity, the text field, the counts (documents, tokens,
+UTF-8 bytes of the text) and the dtype, and is written last.
+
+`prepare` tokenizes the files in shards (`shards`: on every core given, resumable,
+shared between hosts), concatenates them in a temporary sibling directory and
+renames it in, so a directory named by a config is either absent or complete.
 """
 
 from __future__ import annotations
 
-import array
+import contextlib
+import dataclasses
 import errno
-import hashlib
 import json
 import os
 import re
@@ -33,8 +36,9 @@ from typing import Any
 import numpy as np
 from absl import logging
 
+from jdp.data.text import corpus, formats, shards
 from jdp.errors import ConfigError
-from jdp.runtime import leftovers
+from jdp.runtime import leftovers, storage
 
 FORMAT = "jdp.text.token_store"
 VERSION = 1
@@ -48,13 +52,10 @@ HOLDOUT_RULE = ("a document is held out iff the first 8 bytes of blake2b(its UTF
 _CORRUPT_FIX = "Fix: delete it or pass --config.data.rebuild_tokens=true"
 _OTHER_INPUTS_FIX = ("Fix: pass --config.data.rebuild_tokens=true to rebuild it, or another "
                      "--config.data.token_dir")
-# Documents are tokenized in batches of about this much text (the batch is the most
-# text held in memory, besides the largest single document).
-_BATCH_CHARS = 8 << 20
-_BATCH_DOCUMENTS = 4096
-_PROGRESS_EVERY_S = 5.0
+WORK = "shards"  # DIR.shards: the shards of a build of DIR, kept until it is published
+WAIT_FOR_STORE_S = 3600.0  # how long a process that does not merge waits for the store
 
-Progress = Callable[[int, int], None]  # (bytes done, bytes in all) of the input files
+Progress = Callable[[shards.Progress], None]
 
 
 class TokenStore:
@@ -230,14 +231,20 @@ def wait_for_file(path: str, what: str, timeout_s: float, poll_s: float = 1.0) -
 def _stat_inputs(files: Sequence[str], field: str) -> list[dict]:
     inputs = []
     for path in files:
-        path = os.path.abspath(path)
+        path = storage.absolute(path)
         try:
-            stat = os.stat(path)
+            size, mtime_ns = storage.stat(path)
         except OSError as e:
-            raise ConfigError(f"config.{field}: cannot read {path} ({e.strerror}). Fix: check "
-                              "the file exists and is readable.") from e
-        inputs.append({"path": path, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+            raise ConfigError(f"config.{field}: cannot read {path} "
+                              f"({e.strerror or type(e).__name__}). Fix: check the file "
+                              "exists and is readable.") from e
+        inputs.append({"path": path, "bytes": size, "mtime_ns": mtime_ns})
     return inputs
+
+
+def _text_field_used(files: Sequence[str], text_field: str) -> str | None:
+    """The text field, where some file reads documents from a field (None: it matters not)."""
+    return text_field if any(formats.reads_field(path) for path in files) else None
 
 
 def _tokenizer_key(identity: dict) -> dict:
@@ -266,6 +273,12 @@ def _differences(manifest: dict, wanted: dict) -> list[str]:
     if _tokenizer_key(manifest.get("tokenizer", {})) != _tokenizer_key(wanted["tokenizer"]):
         differences.append(f"tokenizer differs (store: {_describe_tokenizer(manifest['tokenizer'])}"
                            f", now: {_describe_tokenizer(wanted['tokenizer'])})")
+    paths = [f.get("path", "") for f in manifest.get("files", []) if isinstance(f, dict)]
+    # Stores made before data.text_field existed read the "text" field.
+    have_field = manifest.get("text_field", _text_field_used(paths, "text"))
+    if have_field != wanted["text_field"]:
+        differences.append(f"text_field differs (store: {have_field!r}, now: "
+                           f"{wanted['text_field']!r})")
     if manifest.get("eval_fraction") != wanted["eval_fraction"]:
         differences.append(f"eval_fraction differs (store: {manifest.get('eval_fraction')}, "
                            f"now: {wanted['eval_fraction']})")
@@ -290,167 +303,97 @@ def _all_differences(stores: list[TokenStore], wanted: dict) -> list[str]:
 # --- Building ---------------------------------------------------------------------------
 
 
-class _Writer:
-    """Appends documents to one store's tokens.bin; `finish` writes the rest, manifest last."""
+def _work_dir(directory: str, wanted: dict, planned: list) -> str:
+    """DIR.shards holding the plan of this build: the one a killed build of the same
+    inputs left (its finished shards are kept), else a new one."""
+    work = f"{directory}.{WORK}"
+    expected = {"format": f"{FORMAT}.shards", "version": VERSION, "wanted": wanted,
+                "shards": planned}
+    if _read_plan(work) == expected:
+        leftovers.remove_dead(work, r"shard-\d+\.tmp", "[0-9a-f]+")
+        return work
+    if os.path.lexists(work):  # another build's: its shards are not of these inputs
+        aside = _sibling(directory, "old")
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(work, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    temporary = _sibling(directory, "tmp")
+    os.mkdir(temporary)
+    with open(os.path.join(temporary, shards.PLAN), "w", encoding="utf-8") as f:
+        json.dump(expected, f)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.rename(temporary, work)
+    except OSError as e:  # another process made it first
+        shutil.rmtree(temporary, ignore_errors=True)
+        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or _read_plan(work) != expected:
+            raise
+    return work
 
-    def __init__(self, directory: str, dtype: np.dtype, eos_id: int) -> None:
-        os.makedirs(directory, exist_ok=True)
-        self.directory = directory
-        self.dtype = dtype
-        self.eos = np.array([eos_id], dtype)
-        # Closed by finish or abandon.
-        self.file = open(os.path.join(directory, TOKENS), "wb")
-        self.file.write(self.eos.tobytes())
-        self.starts = array.array("q", [1])
-        self.num_tokens = 1
-        self.num_bytes = 0
 
-    def add(self, documents: list[np.ndarray], num_bytes: list[int]) -> None:
-        if not documents:
-            return
-        parts = []
-        for ids, size in zip(documents, num_bytes, strict=True):
-            parts += [ids.astype(self.dtype), self.eos]
-            self.num_tokens += len(ids) + 1
-            self.starts.append(self.num_tokens)
-            self.num_bytes += size
-        self.file.write(np.concatenate(parts).tobytes())
+def _read_plan(work: str) -> Any:
+    try:
+        with open(os.path.join(work, shards.PLAN), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
-    @property
-    def num_documents(self) -> int:
-        return len(self.starts) - 1
 
-    def finish(self, manifest: dict) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        with open(os.path.join(self.directory, DOCUMENTS), "wb") as f:
-            np.save(f, np.frombuffer(self.starts, np.int64), allow_pickle=False)
+def _merge(job: shards.Job, temporary: str, manifest: dict) -> None:
+    """Concatenates the shards into the finished store(s) in `temporary`, manifest last."""
+    names = SPLITS if len(job.outputs) > 1 else ("",)
+    parts = [[shards.read_shard(job.directory, k, output) for k in range(len(job.shards))]
+             for output in job.outputs]
+    _check_counts([sum(counts["documents"] for counts, _, _ in part) for part in parts],
+                  len(job.files), job.eval_fraction, job.field)
+    dtype = np.dtype(job.dtype)
+    for name, part in zip(names, parts, strict=True):
+        target = os.path.join(temporary, name)
+        os.makedirs(target, exist_ok=True)
+        num_documents = sum(counts["documents"] for counts, _, _ in part)
+        with open(os.path.join(target, TOKENS), "wb") as out:
+            out.write(np.array([job.tokenizer.eos_id], dtype).tobytes())
+            for _, path, _ in part:
+                with open(path, "rb") as f:
+                    shutil.copyfileobj(f, out, 16 << 20)
+            out.flush()
+            os.fsync(out.fileno())
+        starts = np.lib.format.open_memmap(os.path.join(target, DOCUMENTS), mode="w+",
+                                           dtype=np.int64, shape=(num_documents + 1,))
+        starts[0] = position = 1
+        at = 1
+        for _, _, lengths in part:
+            starts[at:at + len(lengths)] = position + np.cumsum(lengths)
+            at += len(lengths)
+            position += int(lengths.sum())
+        starts.flush()
+        del starts
+        _fsync_file(os.path.join(target, DOCUMENTS))
+        counts = dict(manifest, split=name or "all", dtype=dtype.name, documents=num_documents,
+                      tokens=position, bytes=sum(c["bytes"] for c, _, _ in part))
+        with open(os.path.join(target, MANIFEST), "w", encoding="utf-8") as f:
+            json.dump(counts, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        manifest = dict(manifest, dtype=self.dtype.name, documents=self.num_documents,
-                        tokens=self.num_tokens, bytes=self.num_bytes)
-        with open(os.path.join(self.directory, MANIFEST), "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_directory(self.directory)
-
-    def abandon(self) -> None:
-        self.file.close()
+        shards.fsync_directory(target)
+    shards.fsync_directory(temporary)
 
 
-def _fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _fsync_file(path: str) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
 
 
-def _held_out(data: bytes, eval_fraction: float) -> bool:
-    digest = hashlib.blake2b(data, digest_size=8).digest()
-    return int.from_bytes(digest, "little") < eval_fraction * 2**64
-
-
-class _Progress:
-    """Calls `progress` (or logs) at most every _PROGRESS_EVERY_S seconds, and at the end."""
-
-    def __init__(self, progress: Progress | None, total: int, directory: str) -> None:
-        self.progress = progress
-        self.total = total
-        self.directory = directory
-        self.last = time.monotonic()
-
-    def __call__(self, done: int, final: bool = False) -> None:
-        now = time.monotonic()
-        if not final and now - self.last < _PROGRESS_EVERY_S:
-            return
-        self.last = now
-        if self.progress is not None:
-            self.progress(done, self.total)
-        else:
-            logging.info("tokenizing into %s: %.1f of %.1f MB (%.0f%%)", self.directory,
-                         done / 1e6, self.total / 1e6, 100 * done / max(self.total, 1))
-
-
-def _build(inputs: list[dict], tokenizer, directory: str, eval_fraction: float,
-           progress: Progress | None, field: str) -> None:
-    from jdp.data.text.corpus import iter_documents
-
-    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
-    names = SPLITS if eval_fraction > 0 else ("",)
-    writers = [_Writer(os.path.join(directory, name), dtype, tokenizer.eos_id) for name in names]
-    report = _Progress(progress, sum(f["bytes"] for f in inputs), directory)
-    done = 0
-    batch: list[tuple[str, int, int]] = []  # (text, UTF-8 bytes, writer)
-
-    def flush() -> None:
-        if not batch:
-            return
-        encoded = tokenizer.encode_batch([text for text, _, _ in batch])
-        routed: list[tuple[list, list]] = [([], []) for _ in writers]
-        for ids, (_, size, which) in zip(encoded, batch, strict=True):
-            ids = np.asarray(ids)
-            if ids.size == 0:
-                continue  # text the tokenizer drops entirely: its bytes are not counted either
-            if ids.min() < 0 or ids.max() >= tokenizer.vocab_size:
-                raise ValueError(f"{tokenizer!r} returned ids outside [0, {tokenizer.vocab_size})")
-            routed[which][0].append(ids)
-            routed[which][1].append(size)
-        for writer, (documents, sizes) in zip(writers, routed, strict=True):
-            writer.add(documents, sizes)
-        batch.clear()
-
-    try:
-        chars = 0  # in the batch
-        for entry in inputs:
-            in_file = 0
-            for text in iter_documents(entry["path"], field):
-                data = text.encode("utf-8")
-                which = int(_held_out(data, eval_fraction)) if eval_fraction > 0 else 0
-                batch.append((text, len(data), which))
-                chars += len(text)
-                in_file += len(data)
-                if chars >= _BATCH_CHARS or len(batch) >= _BATCH_DOCUMENTS:
-                    flush()
-                    chars = 0
-                    # Text bytes approximate file bytes (.jsonl has the JSON around them).
-                    report(done + min(in_file, entry["bytes"]))
-            # A batch may span files (small files are tokenized together, in parallel);
-            # the file is read by now, so this is when to check it did not change.
-            stat = os.stat(entry["path"])
-            if (stat.st_size, stat.st_mtime_ns) != (entry["bytes"], entry["mtime_ns"]):
-                raise ConfigError(f"config.{field}: {entry['path']} changed while it was being "
-                                  "tokenized. Fix: prepare the token store when no one is "
-                                  "writing the files.")
-            done += entry["bytes"]
-            report(done)
-        flush()
-        _check_counts(writers, len(inputs), eval_fraction, field)
-        manifest = {"format": FORMAT, "version": VERSION, "eval_fraction": eval_fraction,
-                    "holdout_rule": HOLDOUT_RULE if eval_fraction > 0 else None,
-                    "files": inputs, "tokenizer": tokenizer.identity,
-                    "created_unix_s": round(time.time(), 3)}
-        for writer, name in zip(writers, names, strict=True):
-            writer.finish(dict(manifest, split=name or "all"))
-        _fsync_directory(directory)
-        report(report.total, final=True)
-    except BaseException:
-        for writer in writers:
-            writer.abandon()
-        raise
-
-
-def _check_counts(writers: list[_Writer], num_files: int, eval_fraction: float,
+def _check_counts(documents: list[int], num_files: int, eval_fraction: float,
                   field: str) -> None:
-    total = sum(writer.num_documents for writer in writers)
+    total = sum(documents)
     if total == 0:
         raise ConfigError(f"config.{field}: the {num_files} file{'s' if num_files > 1 else ''} "
                           "hold no text (every document is empty). Fix: point it at files "
                           "with text.")
-    for writer, name in zip(writers, SPLITS if len(writers) > 1 else ("",), strict=True):
-        if writer.num_documents == 0:
+    for count, name in zip(documents, SPLITS if len(documents) > 1 else ("",), strict=True):
+        if count == 0:
             raise ConfigError(
                 f"config.data.eval_fraction={eval_fraction}: the {name} split got none of the "
                 f"{total} documents (documents, whole files or .jsonl lines, are held out, not "
@@ -473,15 +416,17 @@ def _remove_stale(directory: str) -> None:
     leftovers.remove_dead(parent, rf"{re.escape(base)}\.(?:tmp|old)", "[0-9a-f]+")
 
 
-def _publish(temporary: str, directory: str, wanted: dict, replace: bool) -> list[TokenStore]:
+def _publish(temporary: str, directory: str, wanted: dict,
+             replace: bool) -> tuple[list[TokenStore], bool]:
     """Renames the finished `temporary` onto `directory`, replacing a store there if
-    `replace`; the loser of a race with another process opens the winner's store."""
+    `replace`; the loser of a race with another process opens the winner's store.
+    Returns the stores and whether this call renamed its own in."""
     aside = None
     if replace and os.path.lexists(directory):
         try:  # Another process may have rebuilt it already.
             stores = _open_layout(directory)
             if not _all_differences(stores, wanted):
-                return stores
+                return stores, False
         except ConfigError:
             pass
         aside = _sibling(directory, "old")
@@ -501,12 +446,12 @@ def _publish(temporary: str, directory: str, wanted: dict, replace: bool) -> lis
             raise ConfigError(f"token store {directory} was just prepared by another process "
                               f"from other inputs ({'; '.join(differences)}). "
                               f"{_OTHER_INPUTS_FIX}.") from e
-        return stores
+        return stores, False
     finally:
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
-    _fsync_directory(os.path.dirname(directory))
-    return _open_layout(directory)
+    shards.fsync_directory(os.path.dirname(directory))
+    return _open_layout(directory), True
 
 
 def _reusable(directory: str, wanted: dict, rebuild: bool) -> list[TokenStore] | None:
@@ -535,13 +480,16 @@ def _reusable(directory: str, wanted: dict, rebuild: bool) -> list[TokenStore] |
 
 
 def open_matching(files: Sequence[str], tokenizer, directory: str, *, eval_fraction: float = 0.0,
-                  field: str = "data.text_files") -> list[TokenStore] | None:
+                  field: str = "data.text_files",
+                  text_field: str = "text") -> list[TokenStore] | None:
     """The stores in `directory` ([store], or [train, eval] with `eval_fraction`) if their
-    manifests name `files` as they are now, `tokenizer` and `eval_fraction`; None if there
-    are none or any of those differ. Reads only; a corrupt store is a ConfigError."""
+    manifests name `files` as they are now, `tokenizer`, `eval_fraction` and `text_field`;
+    None if there are none or any of those differ. Reads only; a corrupt store is a
+    ConfigError."""
     directory = os.path.abspath(os.path.expanduser(directory))
     wanted = {"files": _stat_inputs(files, field), "tokenizer": tokenizer.identity,
-              "eval_fraction": float(eval_fraction)}
+              "eval_fraction": float(eval_fraction),
+              "text_field": _text_field_used(files, text_field)}
     try:
         return _reusable(directory, wanted, rebuild=False)
     except ConfigError:
@@ -555,49 +503,163 @@ def same_tokenizer(opened: TokenStore, tokenizer) -> bool:
     return _tokenizer_key(opened.manifest["tokenizer"]) == _tokenizer_key(tokenizer.identity)
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How `prepare` builds a store (the inputs aside).
+
+    `processes`: tokenizing processes on this machine (None: one per core it may use).
+    `share`: (i, n) for process i of n sharing the work (hosts of one job, the store's
+    directory on a file system they share): each tokenizes its share of the shards
+    first, then helps with the rest; process 0 merges them into the store and the
+    others wait for it (`wait_s`). `progress` gets a `shards.Progress` every few
+    seconds and at the end (absl logging without it). `field` is the config field
+    named in errors about the files, `text_field` the field of .jsonl, Parquet and
+    Arrow files that holds the documents.
+    """
+
+    rebuild: bool = False
+    progress: Progress | None = None
+    field: str = "data.text_files"
+    text_field: str = "text"
+    processes: int | None = None
+    share: tuple[int, int] = (0, 1)
+    wait_s: float = WAIT_FOR_STORE_S
+    # False: a process other than 0 returns once the shards are tokenized, without waiting
+    # for process 0 to merge them (its caller waits for what it publishes instead).
+    wait_for_merge: bool = True
+
+
+def _log_progress(directory: str) -> Progress:
+    return lambda state: logging.info("%s", state.line(directory))
+
+
+def _made_parents(directory: str) -> str | None:
+    """Makes `directory`'s missing parents; the topmost it made (None: none)."""
+    parent, made = os.path.dirname(directory), None
+    while parent and not os.path.exists(parent):
+        made, parent = parent, os.path.dirname(parent)
+    os.makedirs(os.path.dirname(directory), exist_ok=True)
+    return made
+
+
+def _remove_made(directory: str, made: str | None) -> None:
+    """Removes the now-empty directories `_made_parents` made, deepest first."""
+    parent = os.path.dirname(directory)
+    while made is not None and len(parent) >= len(made):
+        try:
+            os.rmdir(parent)
+        except OSError:
+            return
+        parent = os.path.dirname(parent)
+
+
 def _prepare(files: Sequence[str], tokenizer, directory: str, eval_fraction: float,
-             rebuild: bool, progress: Progress | None, field: str) -> list[TokenStore]:
+             options: Options) -> list[TokenStore]:
     directory = os.path.abspath(os.path.expanduser(directory))
-    wanted = {"files": _stat_inputs(files, field), "tokenizer": tokenizer.identity,
-              "eval_fraction": eval_fraction}
-    stores = _reusable(directory, wanted, rebuild)
+    wanted = {"files": _stat_inputs(files, options.field), "tokenizer": tokenizer.identity,
+              "eval_fraction": eval_fraction,
+              "text_field": _text_field_used(files, options.text_field)}
+    stores = _reusable(directory, wanted, options.rebuild)
     if stores is not None:
         return stores
-    os.makedirs(os.path.dirname(directory), exist_ok=True)
+    # Bad input is named here, before anything is written.
+    corpus.check_files([f["path"] for f in wanted["files"]], options.text_field, options.field)
+    made = _made_parents(directory)
+    try:
+        job = shards.Job(
+            files=wanted["files"], shards=[], tokenizer=tokenizer, eval_fraction=eval_fraction,
+            text_field=options.text_field, field=options.field, directory="",
+            outputs=("train", "eval") if eval_fraction > 0 else ("all",),
+            dtype="uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32")
+        planned = shards.plan(job.files, options.text_field)
+        job = dataclasses.replace(job, shards=planned,
+                                  directory=_work_dir(directory, wanted, planned))
+        shards.tokenize(job, processes=options.processes or shards.available_cores(),
+                        share=options.share,
+                        progress=options.progress or _log_progress(directory))
+        if options.share[0] != 0:
+            return _wait_for(directory, wanted, options.wait_s) if options.wait_for_merge else []
+        return _merge_and_publish(job, directory, wanted, options.rebuild)
+    except ConfigError:  # bad input: nothing of this build is kept
+        shutil.rmtree(f"{directory}.{WORK}", ignore_errors=True)
+        _remove_made(directory, made)
+        raise
+    except FileNotFoundError:
+        # Another process preparing the same store published it and removed the shards.
+        stores = _reusable(directory, wanted, rebuild=True)
+        if stores is None:
+            raise
+        return stores
+
+
+def _merge_and_publish(job: shards.Job, directory: str, wanted: dict,
+                       rebuild: bool) -> list[TokenStore]:
     _remove_stale(directory)
     temporary = _sibling(directory, "tmp")
     os.mkdir(temporary)
     try:
-        _build(wanted["files"], tokenizer, temporary, eval_fraction, progress, field)
-        return _publish(temporary, directory, wanted, replace=rebuild)
+        manifest = {"format": FORMAT, "version": VERSION, "eval_fraction": job.eval_fraction,
+                    "holdout_rule": HOLDOUT_RULE if job.eval_fraction > 0 else None,
+                    "document_order": corpus.DOCUMENT_ORDER, "text_field": wanted["text_field"],
+                    "files": wanted["files"], "tokenizer": job.tokenizer.identity,
+                    "created_unix_s": round(time.time(), 3)}
+        _merge(job, temporary, manifest)
+        stores, published = _publish(temporary, directory, wanted, replace=rebuild)
     finally:
         shutil.rmtree(temporary, ignore_errors=True)  # nothing left there once renamed
+    if published:  # the shards are in the store now
+        shutil.rmtree(job.directory, ignore_errors=True)
+    return stores
 
 
-def prepare(files: Sequence[str], tokenizer, directory: str, *, rebuild: bool = False,
-            progress: Progress | None = None, field: str = "data.text_files") -> TokenStore:
-    """The store of `files` tokenized by `tokenizer` in `directory`, built if need be.
+def _wait_for(directory: str, wanted: dict, timeout_s: float,
+              poll_s: float = 1.0) -> list[TokenStore]:
+    """The store of `wanted` in `directory`, once the process that merges has published it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stores = _reusable(directory, wanted, rebuild=True)  # None while absent or other
+        if stores is not None:
+            return stores
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"token store {directory} did not appear within {timeout_s:g} s "
+                               "(process 0 merges the shards into it). Fix: check that process "
+                               "0 is running and can write there, or allow a longer wait.")
+        time.sleep(poll_s)
+
+
+def prepare(files: Sequence[str], tokenizer, directory: str, **options) -> TokenStore:
+    """The store of `files` tokenized by `tokenizer` in `directory`, built if need be;
+    `options` are those of `Options`.
 
     Reuses the store already there if its manifest names the same files (path, size,
-    mtime_ns) and tokenizer (kind and file hash); a store of other inputs is a
-    ConfigError saying what differs, unless `rebuild`, which replaces it (and a
+    mtime_ns), tokenizer (kind and file hash) and text field; a store of other inputs
+    is a ConfigError saying what differs, unless `rebuild`, which replaces it (and a
     corrupt one) atomically. A matching store is reused even with `rebuild`, so a
     restart with the flag still set does not redo the work.
 
-    The store is written file by file in batches (the corpus is never held in
-    memory) into a sibling `DIR.tmp-HOST-PID-RANDOM`, fsync'd, manifest last, and
-    renamed onto `directory`: a kill leaves only the temporary directory, which
-    nothing reads and the next `prepare` on this host removes. Processes racing to
-    prepare one directory all end with the same valid store. `progress(done, total)`
-    gets input bytes every few seconds (absl logging without it). `field` is the
-    config field named in errors about the files.
+    The files are tokenized in shards (`shards`: in parallel, in `DIR.shards`, which a
+    killed build leaves for the next one to resume from), then concatenated into a
+    sibling `DIR.tmp-HOST-PID-RANDOM`, fsync'd, manifest last, and renamed onto
+    `directory`: a kill leaves no directory a reader trusts, and the next `prepare` on
+    this host removes the temporary one. The store is the same bitwise whatever the
+    number of processes. Processes racing to prepare one directory all end with the
+    same valid store. A file that cannot be read, or lacks the text field, is a
+    ConfigError before anything is written.
     """
-    return _prepare(files, tokenizer, directory, 0.0, rebuild, progress, field)[0]
+    return _prepare(files, tokenizer, directory, 0.0, Options(**options))[0]
+
+
+def tokenize_share(files: Sequence[str], tokenizer, directory: str, *,
+                   eval_fraction: float = 0.0, **options) -> None:
+    """A process other than 0's share of the shards of `prepare` (or `prepare_split`, with
+    `eval_fraction`) of the same arguments, returning once the shards are tokenized:
+    process 0 merges them, and publishes the store where its caller decides."""
+    _prepare(files, tokenizer, directory, float(eval_fraction),
+             Options(**options, wait_for_merge=False))
 
 
 def prepare_split(files: Sequence[str], tokenizer, directory: str, *, eval_fraction: float,
-                  rebuild: bool = False, progress: Progress | None = None,
-                  field: str = "data.text_files") -> tuple[TokenStore, TokenStore]:
+                  **options) -> tuple[TokenStore, TokenStore]:
     """`prepare` with documents held out: (train, eval) stores in DIR/train and DIR/eval.
 
     A document is held out by its content alone (`HOLDOUT_RULE`: a hash of its UTF-8
@@ -609,6 +671,5 @@ def prepare_split(files: Sequence[str], tokenizer, directory: str, *, eval_fract
     if not 0 < eval_fraction < 1:
         raise ConfigError(f"config.data.eval_fraction={eval_fraction}: must be between 0 and 1 "
                           "(exclusive). Fix: pass e.g. 0.01, or use prepare without a split.")
-    train, eval_ = _prepare(files, tokenizer, directory, float(eval_fraction), rebuild, progress,
-                            field)
+    train, eval_ = _prepare(files, tokenizer, directory, float(eval_fraction), Options(**options))
     return train, eval_

@@ -12,6 +12,7 @@ by the same tokenizer: the kind and a hash of the model file's content.
 from __future__ import annotations
 
 import abc
+import contextlib
 import hashlib
 import io
 import os
@@ -35,6 +36,33 @@ _SP_SENTENCE_BYTES = 1 << 14
 # At most this many pieces are sampled for SentencePiece training (it holds them in memory).
 _SP_MAX_SENTENCES = 2_000_000
 _SEED = 0
+# Whether this process tokenizes with one thread (`use_one_thread`): a process of a
+# parallel token-store build, where the processes are the parallelism.
+_one_thread = False
+
+
+def use_one_thread() -> None:
+    """From now on this process's tokenizers encode batches with one thread: Hugging Face
+    tokenizers read TOKENIZERS_PARALLELISM at each call, SentencePiece gets num_threads=1."""
+    global _one_thread
+    _one_thread = True
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+@contextlib.contextmanager
+def one_thread():
+    """`use_one_thread` for the duration of the block (then as before)."""
+    global _one_thread
+    saved = _one_thread, os.environ.get("TOKENIZERS_PARALLELISM")
+    use_one_thread()
+    try:
+        yield
+    finally:
+        _one_thread = saved[0]
+        if saved[1] is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved[1]
 
 
 def _file_sha256(path: str) -> str:
@@ -163,7 +191,7 @@ class SentencePieceTokenizer(_FileTokenizer):
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         # num_threads=-1: as many threads as cores, in SentencePiece's C++ code.
-        encoded = self._processor.encode(list(texts), num_threads=-1)
+        encoded = self._processor.encode(list(texts), num_threads=1 if _one_thread else -1)
         return [np.asarray(ids, np.int32) for ids in encoded]
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -272,12 +300,12 @@ def from_spec(spec: str, field: str = "data.tokenizer", directory: str | None = 
                           f"{_FILE_FIXES[scheme]}.") from e
 
 
-def _training_pieces(files: Sequence[str]) -> Iterator[str]:
+def _training_pieces(files: Sequence[str], text_field: str) -> Iterator[str]:
     """The documents of `files`, cut at line ends into pieces of about _SP_SENTENCE_BYTES."""
     from jdp.data.text.corpus import iter_documents
 
     for path in files:
-        for document in iter_documents(path):
+        for document in iter_documents(path, text_field=text_field):
             piece: list[str] = []
             size = 0
             for line in document.splitlines(keepends=True):
@@ -290,7 +318,8 @@ def _training_pieces(files: Sequence[str]) -> Iterator[str]:
                 yield "".join(piece)
 
 
-def _train_sentencepiece(files: Sequence[str], vocab_size: int, out: str) -> None:
+def _train_sentencepiece(files: Sequence[str], vocab_size: int, out: str,
+                         text_field: str) -> None:
     import sentencepiece
 
     # Why each option: identity normalisation and no whitespace folding keep the text
@@ -300,7 +329,7 @@ def _train_sentencepiece(files: Sequence[str], vocab_size: int, out: str) -> Non
     sentencepiece.set_random_generator_seed(_SEED)
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=_training_pieces(files), model_writer=model,
+        sentence_iterator=_training_pieces(files, text_field), model_writer=model,
         vocab_size=vocab_size, model_type="bpe", byte_fallback=True,
         character_coverage=0.9995, normalization_rule_name="identity",
         remove_extra_whitespaces=False, add_dummy_prefix=False,
@@ -313,7 +342,7 @@ def _train_sentencepiece(files: Sequence[str], vocab_size: int, out: str) -> Non
         f.write(model.getvalue())
 
 
-def _train_bpe(files: Sequence[str], vocab_size: int, out: str) -> None:
+def _train_bpe(files: Sequence[str], vocab_size: int, out: str, text_field: str) -> None:
     from tokenizers import Tokenizer as HfModel
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -327,7 +356,8 @@ def _train_bpe(files: Sequence[str], vocab_size: int, out: str) -> None:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[HF_EOS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    model.train_from_iterator((d for path in files for d in iter_documents(path)),
+    model.train_from_iterator((d for path in files
+                               for d in iter_documents(path, text_field=text_field)),
                               trainer=trainer)
     model.save(out)
 
@@ -337,7 +367,8 @@ _MIN_VOCAB = {"sentencepiece": 256 + 4 + 1, "bpe": 256 + 1 + 1}
 
 
 def train_tokenizer(files: Sequence[str], *, vocab_size: int, out: str,
-                    kind: str = "sentencepiece", field: str = "data.vocab_size") -> str:
+                    kind: str = "sentencepiece", field: str = "data.vocab_size",
+                    text_field: str = "text") -> str:
     """Trains a tokenizer on `files` (see `corpus.iter_documents`), writes it to `out` and
     returns its spec for `from_spec`.
 
@@ -345,14 +376,18 @@ def train_tokenizer(files: Sequence[str], *, vocab_size: int, out: str,
     "sentencepiece:OUT"; kind="bpe": a byte-level BPE `tokenizer.json` (the GPT-2
     scheme) with the special token <|endoftext|>, spec "hf:OUT". Both round-trip the
     text exactly (SentencePiece: except U+2581, see `SentencePieceTokenizer`); the
-    vocabulary may come out smaller than `vocab_size` on a small corpus.
+    vocabulary may come out smaller than `vocab_size` on a small corpus. `text_field`
+    is the field of .jsonl, Parquet and Arrow files that holds the documents.
     """
+    from jdp.data.text.corpus import check_files
+
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: use one of {KINDS}")
     if vocab_size < _MIN_VOCAB[kind]:
         raise ConfigError(f"config.{field}={vocab_size}: too small for a {kind} tokenizer "
                           f"(the bytes and special pieces alone take {_MIN_VOCAB[kind] - 1}). "
                           f"Fix: pass at least {_MIN_VOCAB[kind]}.")
+    check_files(list(files), text_field)  # bad input is named before anything is written
     out = os.path.abspath(os.path.expanduser(out))
     os.makedirs(os.path.dirname(out), exist_ok=True)
     # Written beside `out`, then renamed: a killed training leaves no half-written model.
@@ -360,7 +395,7 @@ def train_tokenizer(files: Sequence[str], *, vocab_size: int, out: str,
     try:
         if kind == "sentencepiece":
             try:
-                _train_sentencepiece(files, vocab_size, partial)
+                _train_sentencepiece(files, vocab_size, partial, text_field)
             except RuntimeError as e:
                 # e.g. "Vocabulary size is smaller than required_chars. 261 vs 324."
                 needed = re.search(r"required_chars\. \d+ vs (\d+)", str(e))
@@ -372,7 +407,7 @@ def train_tokenizer(files: Sequence[str], *, vocab_size: int, out: str,
                     f"and their common characters). Fix: pass at least {needed.group(1)}, or "
                     "train kind='bpe'.") from e
         else:
-            _train_bpe(files, vocab_size, partial)
+            _train_bpe(files, vocab_size, partial, text_field)
         os.replace(partial, out)
     finally:
         if os.path.exists(partial):

@@ -41,6 +41,10 @@ class PackedWindows:
     picklable (the store's memory map is opened again where it is unpickled).
     """
 
+    # `get_batch` reads the store's memory-mapped tokens: jdp.data.in_memory gathers each
+    # batch from them rather than reading every window into memory first.
+    memory_mapped = True
+
     def __init__(self, store: TokenStore | str, seq_len: int, *, document_mask: bool = True,
                  pad_last: bool = False) -> None:
         self.store = open_store(store) if isinstance(store, str) else store
@@ -79,23 +83,31 @@ class PackedWindows:
                              f"{self._length} windows")
         offsets = indices[:, None] * self.seq_len + np.arange(self.seq_len + 1)
         last = self.store.num_tokens - 1
-        windows = np.asarray(self.store.tokens[np.minimum(offsets, last)], np.int32)
-        valid = offsets[:, 1:] <= last  # target j is token offsets[:, j + 1]
-        return self._features(windows, valid)
+        # A plain view of the map: indexing the np.memmap subclass costs ~10x more.
+        tokens = np.asarray(self.store.tokens)
+        if not indices.size or offsets[:, -1].max() <= last:  # every target exists
+            return self._features(tokens[offsets].astype(np.int32), None)
+        windows = tokens[np.minimum(offsets, last)].astype(np.int32)
+        return self._features(windows, offsets[:, 1:] <= last)  # target j: offsets[:, j + 1]
 
-    def _features(self, windows: np.ndarray, valid: np.ndarray) -> Example:
-        """Features of [n, seq_len + 1] token windows; valid[n, seq_len]: the target exists."""
+    def _features(self, windows: np.ndarray, valid: np.ndarray | None) -> Example:
+        """Features of [n, seq_len + 1] token windows; valid[n, seq_len]: the target exists
+        (None: every one does, as in every training window)."""
         inputs, targets = windows[:, :-1], windows[:, 1:]
-        example = {"inputs": np.where(valid, inputs, 0).astype(np.int32),
-                   "targets": np.where(valid, targets, 0).astype(np.int32),
-                   "weights": valid.astype(np.float32)}
+
+        def masked(values: np.ndarray) -> np.ndarray:
+            return (values if valid is None else np.where(valid, values, 0)).astype(np.int32)
+
+        example = {"inputs": masked(inputs), "targets": masked(targets),
+                   "weights": (np.ones(inputs.shape, np.float32) if valid is None
+                               else valid.astype(np.float32))}
         if self.document_mask:
             starts = inputs == self.store.eos_id
             starts[:, 0] = True
             steps = np.arange(self.seq_len)
             segment_start = np.maximum.accumulate(np.where(starts, steps, 0), axis=1)
-            example["segment_ids"] = np.where(valid, np.cumsum(starts, axis=1), 0).astype(np.int32)
-            example["positions"] = np.where(valid, steps - segment_start, 0).astype(np.int32)
+            example["segment_ids"] = masked(np.cumsum(starts, axis=1))
+            example["positions"] = masked(steps - segment_start)
         return example
 
     def __repr__(self) -> str:
