@@ -772,7 +772,12 @@ def test_wall_time_saves_are_due_at_checked_steps_once_the_time_has_passed():
     clock.now += 1
     assert not cadence.due(7)  # not a checked step
     assert cadence.due(10)
-    assert asked == ["jdp/checkpoint/time/5", "jdp/checkpoint/time/10"]  # checked steps only
+    assert [key.rsplit("/", 1)[1] for key in asked] == ["5", "10"]  # checked steps only
+    assert len({key.rsplit("/", 1)[0] for key in asked}) == 1
+    other = WallTimeCadence(2.0, check_every_steps=5, clock=clock, agree=agree)
+    assert not other.due(1)
+    clock.now += 200
+    assert other.due(5) and asked[-1] != asked[0]  # another run: its own keys
     cadence.saved()
     clock.now += 60
     assert not cadence.due(15)

@@ -220,7 +220,7 @@ def _child(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="jdp-bench-gpu-") as scratch:
         options = types.SimpleNamespace(config=path, steps=args.steps, log_every=log_every,
                                         backend="pjit", cache_dir=os.path.join(scratch, "cache"),
-                                        model="")
+                                        model="", config_overrides=[])
         config = overhead._load(options)
         profiled = args.arm == "on"
         if profiled:  # inside the first log window, which the rates leave out (warm-up)

@@ -201,6 +201,7 @@ def _overrides(args) -> list[str]:
     overrides = [*args.config_overrides,
                  f"--config.total_steps={args.steps}", f"--config.log_every_steps={args.log_every}",
                  "--config.eval_every_steps=0", "--config.checkpoint.every_steps=0",
+                 "--config.checkpoint.every_minutes=0",
                  f"--config.parallel.backend={args.backend}",
                  f"--config.compile_cache_dir={args.cache_dir}"]
     if args.model:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import operator
 import os
 import threading
@@ -38,6 +39,9 @@ from jdp.runtime import distributed, storage
 _MIN_REPLICA_SLICE_BYTES = 4 * 2**20
 
 
+_CADENCES = itertools.count()
+
+
 class WallTimeCadence:
     """Saves every `minutes` of wall time since the last save (or the first step), decided
     at steps that are multiples of `check_every_steps`: every process must save at the
@@ -54,6 +58,9 @@ class WallTimeCadence:
         self.check_every_steps = max(1, check_every_steps)
         self._clock = clock
         self._agree = agree
+        # Keys unique to this cadence: a process may train several runs in one job (tuner
+        # trials), and every process makes its cadences in the same order.
+        self._keys = f"jdp/checkpoint/time/{next(_CADENCES)}"
         self._since: float | None = None  # the clock at the last save or the first check
 
     def due(self, step: int) -> bool:
@@ -63,7 +70,7 @@ class WallTimeCadence:
             self._since = self._clock()
         if step % self.check_every_steps:
             return False
-        return self._agree(f"jdp/checkpoint/time/{step}",
+        return self._agree(f"{self._keys}/{step}",
                            self._clock() - self._since >= self.seconds)
 
     def saved(self) -> None:

@@ -53,7 +53,8 @@ def trial_settings(config, trial_steps: int) -> dict:
     return {"total_steps": trial_steps,
             "warmup_steps": min(config.warmup_steps, trial_steps - 1),
             "log_every_steps": max(1, trial_steps // _WINDOWS),
-            "eval_every_steps": 0, "checkpoint.every_steps": 0, "checkpoint.keep_best": "",
+            "eval_every_steps": 0, "checkpoint.every_steps": 0, "checkpoint.every_minutes": 0,
+            "checkpoint.keep_best": "",
             "tensorboard": False, "tracker.kind": "", "profile.num_steps": 0}
 
 
