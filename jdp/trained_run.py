@@ -1,10 +1,11 @@
 """A trained run read from its workdir on one host: its experiment file, config,
-tokenizer, model and the params of a step.
+tokenizer, model, its checkpoints' steps and the params of a step.
 
 For the programs that use a run after training without changing it (`jdp.sample`,
-`jdp.export`): the workdir records which experiment file trained it (run.json) and the
-config (config.json); the checkpoints hold global arrays, so their params read on one
-host without the training mesh, whatever topology and sharding saved them.
+`jdp.evaluate`, `jdp.export`): the workdir records which experiment file trained it
+(run.json) and the config (config.json); the checkpoints hold global arrays, so their
+params read on one host without the training mesh, whatever topology and sharding saved
+them.
 """
 
 from __future__ import annotations

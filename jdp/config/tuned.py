@@ -19,7 +19,8 @@ from jdp.errors import ConfigError
 # - how long the run is and its warm-up, how it is logged, evaluated, checked and saved;
 # - where its files live, and which examples it reads (the seed, the text files and the
 #   held-out fraction, data paths and splits: the same shapes from another corpus);
-# - how the host prepares batches (threads, worker processes, in memory or streamed);
+# - how the host prepares batches (threads, worker processes, in memory or streamed) and
+#   tokenizes text; where a run's records and exports go (trackers, export);
 # - the learning rate's value and scaling (a number the step reads, not a shape).
 # The tokenizer, model, batch, dtypes and every parallel setting stay bound.
 UNBOUND = ("total_steps", "warmup_steps", "log_every_steps", "eval_every_steps",
@@ -28,8 +29,8 @@ UNBOUND = ("total_steps", "warmup_steps", "log_every_steps", "eval_every_steps",
            "seed", "learning_rate", "lr_scaling", "base_batch_size",
            "data.data_dir", "data.token_dir", "data.rebuild_tokens", "data.text_files",
            "data.eval_text_files", "data.eval_fraction", "data.train_files", "data.eval_files",
-           "data.train_split", "data.eval_split", "data.num_threads", "data.num_workers",
-           "data.in_memory")
+           "data.train_split", "data.eval_split", "data.text_field", "data.num_threads",
+           "data.num_workers", "data.in_memory", "data.tokenize_processes", "tracker", "export")
 
 
 def _unbound(key: str) -> bool:
