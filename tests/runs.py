@@ -10,6 +10,7 @@ import time
 
 from jdp import main as jdp_main
 from jdp.main import load_config
+from jdp.runtime.jax_compat import cpu_fusion_emitters_option
 
 
 def train(path: str, workdir, *overrides: str, devices=None):
@@ -22,10 +23,10 @@ def train(path: str, workdir, *overrides: str, devices=None):
 
 
 # Compiler options for one program: the fusion emitters of users' runs, which
-# tests/conftest.py swaps for faster-compiling ones. For tests that compare two programs
-# XLA fuses differently (remat against none) to float32's last digits, where the older
-# emitters' rounding differs by up to 2.5e-5.
-USERS_FUSION = {"xla_cpu_use_fusion_emitters": True}
+# tests/conftest.py swaps for faster-compiling ones where jaxlib has them. For tests that
+# compare two programs XLA fuses differently (remat against none) to float32's last
+# digits, where the older emitters' rounding differs by up to 2.5e-5.
+USERS_FUSION = cpu_fusion_emitters_option(True)
 
 
 @contextlib.contextmanager
@@ -151,13 +152,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @functools.cache
-def load_launcher():
-    """launch/local.py as a module (a script, not part of the jdp package), loaded once:
-    xla_flags asks for it for every process a test starts."""
+def load_launch_script(name: str = "local"):
+    """launch/NAME.py as a module (a script, not part of the jdp package), loaded once:
+    free_port asks for launch/local.py for every process a test starts."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "launch_local", os.path.join(REPO, "launch", "local.py"))
+        f"launch_{name}", os.path.join(REPO, "launch", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -165,7 +166,7 @@ def load_launcher():
 
 def free_port() -> int:
     """A free port on 127.0.0.1, picked as launch/local.py picks its coordinator's."""
-    return load_launcher().free_port()
+    return load_launch_script().free_port()
 
 
 def xla_flags(devices: int) -> str:
