@@ -30,11 +30,8 @@ USERS_FUSION = cpu_fusion_emitters_option(True)
 
 
 @contextlib.contextmanager
-def steps_compiled_optimised(level: int = 1):
-    """Train steps built inside compile at XLA:CPU's backend optimisation `level`; the
-    tests compile everything else at level 0 (tests/conftest.py). For the few tests
-    whose cost is their steps' compute rather than their compiles: level 0's machine
-    code is slower to run. The optimised HLO is the same at every level."""
+def steps_compiled_with(options: dict):
+    """Train steps built inside compile with the XLA `options` added to jdp's own."""
     import pytest
 
     from jdp.parallel import factory
@@ -42,11 +39,19 @@ def steps_compiled_optimised(level: int = 1):
     original = factory.compiler_options
 
     def compiler_options(*args, **kwargs):
-        return {**(original(*args, **kwargs) or {}), "xla_backend_optimization_level": level}
+        return {**(original(*args, **kwargs) or {}), **options}
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(factory, "compiler_options", compiler_options)
         yield
+
+
+def steps_compiled_optimised(level: int = 1):
+    """Train steps built inside compile at XLA:CPU's backend optimisation `level`; the
+    tests compile everything else at level 0 (tests/conftest.py). For the few tests
+    whose cost is their steps' compute rather than their compiles: level 0's machine
+    code is slower to run. The optimised HLO is the same at every level."""
+    return steps_compiled_with({"xla_backend_optimization_level": level})
 
 
 def losses(records) -> dict[int, float]:
