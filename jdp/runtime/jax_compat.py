@@ -10,7 +10,7 @@ breaks here alone, with the message below:
 - whether jax has started its backends (the GPU settings must come before that);
 - jaxlib's version, for the differences below.
 
-Versions: jax 0.10.2 (Python >= 3.10) to 0.12.x (0.11.0 dropped Python 3.11). Read for
+Versions: jax 0.10.2 (Python >= 3.11) to 0.12.x (from 0.11.0, Python >= 3.12). Read for
 0.11.2 and 0.12.1 (their wheels' sources) against 0.10.2, for every jax API jdp calls:
 the pieces above, `jax.distributed.initialize`'s keywords, `shard_map`, `Mesh` and its
 axis types, `pmap`, the compilation cache, `multihost_utils`, the profiler,
