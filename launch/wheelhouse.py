@@ -11,6 +11,9 @@ then, on the target (`target_freeze.txt` is its `pip freeze`, or a list of names
 
     pip install --no-index --find-links wheels jdp   # or the named packages
 
+`--extras=cuda13` resolves `jdp[cuda13]` instead (install it the same way): a target that
+has jax's CUDA wheels keeps them, one that lacks them gets them in the folder.
+
 It resolves the requirements for the target's Python and platform with pip (binary
 wheels only; a package published only as a source archive is built here into a wheel,
 which works for pure-Python ones), drops every package the target already has at a
@@ -21,6 +24,7 @@ version that satisfies all requirements on it, and downloads the rest. A name in
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import re
@@ -36,6 +40,9 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The first pip whose `--python-version` also governs the Requires-Python of the packages'
+# metadata (24.1 and earlier compare it with the running Python: pypa/pip#12216).
+PIP_FOR_OTHER_PYTHONS = Version("24.2")
 
 
 def read_have(path: str) -> dict[str, str | None]:
@@ -137,7 +144,7 @@ def missing(items: list[dict], requested: list[Requirement], have: dict[str, str
     for requirement in [*requested, *(r for rs in applied.values() for r in rs)]:
         wanted.setdefault(canonicalize_name(requirement.name), []).append(requirement)
     by_name = {canonicalize_name(i["metadata"]["name"]): i for i in items}
-    lacking, notes = set(), []
+    lacking, unfit_notes = set(), {}
     for name, item in by_name.items():
         version = have.get(name, "absent")
         unfit = [str(r.specifier) for r in wanted.get(name, [])
@@ -146,8 +153,8 @@ def missing(items: list[dict], requested: list[Requirement], have: dict[str, str
         if version == "absent" or unfit:
             lacking.add(name)
         if unfit:
-            notes.append(f"{name} {version} is there but {', '.join(unfit)} is needed: "
-                         f"adding {item['metadata']['version']}")
+            unfit_notes[name] = (f"{name} {version} is there but {', '.join(unfit)} is "
+                                 f"needed: adding {item['metadata']['version']}")
     roots = [name for name, item in by_name.items() if item.get("requested")]
     reached, queue = set(), list(roots)
     while queue:  # what the lacking packages need, from what was asked for
@@ -157,7 +164,10 @@ def missing(items: list[dict], requested: list[Requirement], have: dict[str, str
         reached.add(name)
         if name in lacking:
             queue += [canonicalize_name(r.name) for r in applied[name]]
-    return [by_name[name] for name in by_name if name in lacking & reached], notes
+    # Only what is added: a requirement of a package the target keeps (the resolution's
+    # newer jax wanting its own jaxlib, say) is not the target's.
+    added = [name for name in by_name if name in lacking & reached]
+    return [by_name[name] for name in added], [unfit_notes[n] for n in added if n in unfit_notes]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,13 +183,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--have", help="the target's `pip freeze` (or package names), "
                         "whose packages are left out")
     parser.add_argument("--out", required=True, help="the wheelhouse folder (created)")
+    parser.add_argument("--extras", default="",
+                        help="jdp's extras to add, comma-separated, e.g. cuda13 (jdp only)")
     args = parser.parse_args(argv)
+    if args.extras and args.requirements:
+        parser.error(f"--extras={args.extras} applies to jdp, which is built only when no "
+                     f"requirements are named (got {' '.join(args.requirements)}). Fix: drop "
+                     "one of them.")
     # pip matches platform tags exactly: list every manylinux a glibc 2.28 host runs.
     args.platform = args.platform or ["manylinux2014_x86_64", *(
         f"manylinux_2_{minor}_x86_64" for minor in range(17, 29))]
     if not re.fullmatch(r"3\.\d+", args.target_python):
         parser.error(f"--target_python={args.target_python!r}: expected MAJOR.MINOR such as "
                      "3.12")
+    this_python = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    pip_version = Version(importlib.metadata.version("pip"))
+    if args.target_python != this_python and pip_version < PIP_FOR_OTHER_PYTHONS:
+        parser.error(f"--target_python={args.target_python}: pip {pip_version} checks a "
+                     f"package's Requires-Python against this Python ({this_python}), not the "
+                     f"target's, and would pick versions for {this_python} (jax 0.10.2 for a "
+                     f"3.12 target; fixed in pip {PIP_FOR_OTHER_PYTHONS}). Fix: {sys.executable} "
+                     f"-m pip install 'pip>={PIP_FOR_OTHER_PYTHONS}', or run this with Python "
+                     f"{args.target_python}.")
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     have = read_have(args.have) if args.have else {}
@@ -187,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     requirements = args.requirements
     if not requirements:  # jdp itself, as a wheel in the wheelhouse
         _pip("wheel", "--quiet", "--no-deps", "--wheel-dir", out, REPO)
-        requirements = [os.path.join(out, name) for name in sorted(os.listdir(out))
-                        if name.startswith("jdp-") and name.endswith(".whl")][-1:]
+        wheel = [os.path.join(out, name) for name in sorted(os.listdir(out))
+                 if name.startswith("jdp-") and name.endswith(".whl")][-1]
+        requirements = [f"jdp[{args.extras}] @ file://{wheel}" if args.extras else wheel]
     with tempfile.TemporaryDirectory() as built_dir:
         built = build_source_only(requirements, built_dir)
         items = resolve(requirements, args, find_links=built_dir)

@@ -8,21 +8,6 @@ import shutil
 import sys
 import tempfile
 
-# XLA:CPU compiles the tests' programs for a short compile, not for fast code: LLVM at
-# optimisation level 0 (users' runs: 2) and XLA's older fusion emitters (users': the
-# MLIR-based ones). Neither changes what the tests check: the level acts only on code
-# generation from the optimised HLO, and the emitters only on which ops XLA fuses; the
-# collectives, shardings and memory analysis are those of users' programs (compared for
-# the ViT step replicated, with remat and with FSDP). The numbers move at float32
-# rounding: 12-step ViT and ResNet runs against level 1 with the new emitters,
-# which the tests used before, have losses within 2e-7 and parameters within the tests'
-# rtol 1e-5. The ViT train step compiles in 1.4 CPU-s instead of 4.3. Level 0's
-# code runs slower: the few tests whose cost is their steps' compute compile those steps
-# at level 1 (runs.steps_compiled_optimised). Every process a test starts gets the same
-# flags (runs.xla_flags), so runs compared bitwise are compiled alike.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                                   "--xla_backend_optimization_level=0 "
-                                   "--xla_cpu_use_fusion_emitters=false")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A test started inside a SLURM allocation must not join that job.
 for _name in [n for n in os.environ if n.startswith("SLURM_")]:
@@ -50,6 +35,29 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
 # fails after the timeout: a divergence still shows).
 os.environ.setdefault("JAX_SHARE_BINARY_BETWEEN_HOSTS", "true")
 os.environ.setdefault("JAX_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS", "240000")
+
+# XLA:CPU compiles the tests' programs for a short compile, not for fast code: LLVM at
+# optimisation level 0 (users' runs: 2) and XLA's older fusion emitters (users': the
+# MLIR-based ones). Neither changes what the tests check: the level acts only on code
+# generation from the optimised HLO, and the emitters only on which ops XLA fuses; the
+# collectives, shardings and memory analysis are those of users' programs (compared for
+# the ViT step replicated, with remat and with FSDP). The numbers move at float32
+# rounding: 12-step ViT and ResNet runs against level 1 with the new emitters,
+# which the tests used before, have losses within 2e-7 and parameters within the tests'
+# rtol 1e-5. The ViT train step compiles in 1.4 CPU-s instead of 4.3. Level 0's
+# code runs slower: the few tests whose cost is their steps' compute compile those steps
+# at level 1 (runs.steps_compiled_optimised). Every process a test starts gets the same
+# flags (runs.xla_flags), so runs compared bitwise are compiled alike. From jaxlib 0.11.1
+# XLA:CPU has only the MLIR-based emitters (jax_compat.cpu_fusion_emitters_option): there
+# the tests compile with those, as users' runs do. jax is imported only here, after the
+# variables above that its configuration reads at import; XLA reads XLA_FLAGS later, at
+# its first backend.
+from jdp.runtime.jax_compat import cpu_fusion_emitters_option  # noqa: E402
+
+os.environ.setdefault("XLA_FLAGS", " ".join(
+    ["--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"]
+    + [f"--{name}={str(value).lower()}"
+       for name, value in cpu_fusion_emitters_option(False).items()]))
 
 # Every Python process a test starts loads tests/site/sitecustomize.py, and this one
 # installs the same: the compilation cache's entries are deserialized once per process

@@ -10,6 +10,7 @@ import time
 
 from jdp import main as jdp_main
 from jdp.main import load_config
+from jdp.runtime.jax_compat import cpu_fusion_emitters_option
 
 
 def train(path: str, workdir, *overrides: str, devices=None):
@@ -22,18 +23,15 @@ def train(path: str, workdir, *overrides: str, devices=None):
 
 
 # Compiler options for one program: the fusion emitters of users' runs, which
-# tests/conftest.py swaps for faster-compiling ones. For tests that compare two programs
-# XLA fuses differently (remat against none) to float32's last digits, where the older
-# emitters' rounding differs by up to 2.5e-5.
-USERS_FUSION = {"xla_cpu_use_fusion_emitters": True}
+# tests/conftest.py swaps for faster-compiling ones where jaxlib has them. For tests that
+# compare two programs XLA fuses differently (remat against none) to float32's last
+# digits, where the older emitters' rounding differs by up to 2.5e-5.
+USERS_FUSION = cpu_fusion_emitters_option(True)
 
 
 @contextlib.contextmanager
-def steps_compiled_optimised(level: int = 1):
-    """Train steps built inside compile at XLA:CPU's backend optimisation `level`; the
-    tests compile everything else at level 0 (tests/conftest.py). For the few tests
-    whose cost is their steps' compute rather than their compiles: level 0's machine
-    code is slower to run. The optimised HLO is the same at every level."""
+def steps_compiled_with(options: dict):
+    """Train steps built inside compile with the XLA `options` added to jdp's own."""
     import pytest
 
     from jdp.parallel import factory
@@ -41,11 +39,19 @@ def steps_compiled_optimised(level: int = 1):
     original = factory.compiler_options
 
     def compiler_options(*args, **kwargs):
-        return {**(original(*args, **kwargs) or {}), "xla_backend_optimization_level": level}
+        return {**(original(*args, **kwargs) or {}), **options}
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(factory, "compiler_options", compiler_options)
         yield
+
+
+def steps_compiled_optimised(level: int = 1):
+    """Train steps built inside compile at XLA:CPU's backend optimisation `level`; the
+    tests compile everything else at level 0 (tests/conftest.py). For the few tests
+    whose cost is their steps' compute rather than their compiles: level 0's machine
+    code is slower to run. The optimised HLO is the same at every level."""
+    return steps_compiled_with({"xla_backend_optimization_level": level})
 
 
 def losses(records) -> dict[int, float]:
@@ -152,8 +158,10 @@ def prepared_step(path: str, *overrides: str, devices=None, global_batch_size=12
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load_script(name: str):
-    """launch/NAME.py as a module (the scripts there are not part of the jdp package)."""
+@functools.cache
+def load_launch_script(name: str = "local"):
+    """launch/NAME.py as a module (a script, not part of the jdp package), loaded once:
+    free_port asks for launch/local.py for every process a test starts."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -164,22 +172,14 @@ def _load_script(name: str):
     return module
 
 
-@functools.cache
-def load_launcher():
-    """launch/local.py, loaded once: xla_flags asks for it for every process a test
-    starts."""
-    return _load_script("local")
-
-
-@functools.cache
 def load_netns():
     """launch/netns.py: emulated hosts joined by a shaped link."""
-    return _load_script("netns")
+    return load_launch_script("netns")
 
 
 def free_port() -> int:
     """A free port on 127.0.0.1, picked as launch/local.py picks its coordinator's."""
-    return load_launcher().free_port()
+    return load_launch_script().free_port()
 
 
 def xla_flags(devices: int) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from jdp.runtime import exit_codes
-from runs import load_launcher
+from runs import load_launch_script
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO / "launch" / "local.py"
@@ -351,13 +351,13 @@ def test_a_signal_to_the_launcher_is_not_answered_by_a_restart(launch, tmp_path)
 
 def test_max_restarts_must_not_be_negative():
     with pytest.raises(SystemExit):
-        load_launcher().parse_args(["--num_processes=1", "--max_restarts=-1", "--", "true"])
+        load_launch_script().parse_args(["--num_processes=1", "--max_restarts=-1", "--", "true"])
 
 
 @pytest.mark.parametrize("value", ["0", "3"])
 def test_min_processes_must_be_between_1_and_num_processes(value):
     with pytest.raises(SystemExit):
-        load_launcher().parse_args(
+        load_launch_script().parse_args(
             ["--num_processes=2", f"--min_processes={value}", "--", "true"])
 
 
@@ -374,7 +374,7 @@ def test_device_count_flag_is_appended_or_replaced():
 
 
 def test_gpu_slices_index_into_the_visible_gpus():
-    launcher = load_launcher()
+    launcher = load_launch_script()
     assert launcher.gpu_slice(1, 2, None) == "2,3"
     assert launcher.gpu_slice(1, 2, "4,5,6,7") == "6,7"
     with pytest.raises(ValueError, match="lists 4"):

@@ -4,7 +4,7 @@ from that folder alone (`pip install --no-index`) into a fresh environment.
 The target is made like a GPU host's image: a new venv that sees this venv's heavy
 stack (jax, flax, TFDS, ...) but lacks ml-collections and tensorboardX, so only those
 and jdp must come from the wheelhouse. The registry is used to build the wheelhouse,
-never by the install.
+never by the install. The GPU hosts' own image is checked against its package list.
 """
 
 import os
@@ -14,8 +14,9 @@ import sysconfig
 import venv
 
 import pytest
+from packaging.utils import canonicalize_name
 
-from runs import REPO
+from runs import REPO, load_launch_script
 
 pytestmark = pytest.mark.slow
 
@@ -74,3 +75,27 @@ def test_jdp_installs_offline_from_a_wheelhouse_of_only_what_the_target_lacks(tm
     batch, total, jdp_file, collections_file = out.split()
     assert (batch, total) == ("128", "6")
     assert jdp_file.startswith(target_site) and collections_file.startswith(target_site)
+
+
+def test_the_gpu_image_keeps_its_jax(tmp_path):
+    """The GPU hosts' image (launch/h200_image_packages.txt: Python 3.12 with jax, jaxlib
+    and the CUDA 13 plugin at 0.11.2): the wheelhouse of `jdp[cuda13]` for it, resolved
+    by pip for Python 3.12, holds none of jax's packages, so installing from it keeps the
+    image's jax, and it holds jdp and what the image lacks."""
+    image_list = os.path.join(REPO, "launch", "h200_image_packages.txt")
+    image = load_launch_script("wheelhouse").read_have(image_list)
+    jax_stack = {name for name in image
+                 if name in ("jax", "jaxlib") or name.startswith(("jax-cuda", "nvidia-"))}
+    assert image["jax"] == image["jaxlib"] == image["jax-cuda13-plugin"] == "0.11.2"
+    wheels = tmp_path / "wheels"
+    out = _run([sys.executable, os.path.join(REPO, "launch", "wheelhouse.py"),
+                "--target_python=3.12", "--extras=cuda13", f"--have={image_list}",
+                f"--out={wheels}"])
+    names = {canonicalize_name(name.split("-")[0]) for name in os.listdir(wheels)
+             if name.endswith(".whl")}
+    assert "jdp" in names and "ml-collections" in names, names
+    assert not names & jax_stack, (names & jax_stack, out)
+    added = (wheels / "requirements.txt").read_text().split()
+    assert not [line for line in added if canonicalize_name(line.split("==")[0]) in jax_stack]
+    assert not [line for line in out.splitlines()
+                if line.startswith("note:") and line.split()[1] in jax_stack], out

@@ -15,7 +15,8 @@ compiled program or a number: a hit is still a hit only where the cache holds th
   publishes only what process 0 compiled: when another test's job wrote the entry between
   process 1's miss and process 0's read, process 1 waited for a program that never came.
 
-All three wrap jax 0.10.2's private functions; where those are missing nothing changes.
+All three wrap jax's private functions (the same in jax 0.10.2 to 0.12 but for the
+argument noted below); where those are missing nothing changes.
 """
 
 import importlib.abc
@@ -31,11 +32,15 @@ def _reuse_deserialized_executables(compilation_cache) -> None:
         return
     loaded = {}
 
-    def get_executable_and_time(cache_key, compile_options, backend, executable_devices):
+    # jax 0.12 passes a fifth argument (0.10.2 does not): the program's host callbacks. An
+    # executable with some is bound to this trace's: loaded as jax loads it, never shared.
+    def get_executable_and_time(cache_key, compile_options, backend, executable_devices,
+                                *host_callbacks):
         cache = get_cache(backend)
-        entry = None if cache is None else cache.get(cache_key)
+        entry = None if cache is None or any(host_callbacks) else cache.get(cache_key)
         if entry is None:
-            found = original(cache_key, compile_options, backend, executable_devices)
+            found = original(cache_key, compile_options, backend, executable_devices,
+                             *host_callbacks)
             if found[0] is not None:  # another job wrote the entry since: a hit all the same
                 entry = cache.get(cache_key)
         else:
@@ -44,7 +49,8 @@ def _reuse_deserialized_executables(compilation_cache) -> None:
             # The entry's bytes are in the key: a torn or rewritten entry is read afresh.
             key = (jax.config.jax_compilation_cache_dir, cache_key, hash(entry))
             if key not in loaded:
-                loaded[key] = original(cache_key, compile_options, backend, executable_devices)
+                loaded[key] = original(cache_key, compile_options, backend, executable_devices,
+                                       *host_callbacks)
             found = loaded[key]
         if found[0] is not None and entry is not None:
             _publish_for_the_other_processes(compilation_cache, cache_key, entry,
