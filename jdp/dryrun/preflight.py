@@ -44,7 +44,8 @@ def preflight(config, experiment: Experiment, components: Components, split: Bat
     `device_memory_bytes` overrides the capacity the device reports (CPUs report
     none); `step_time_s` is a measured step time for the scaling estimate.
     """
-    mesh = mesh_lib.make_mesh(config.parallel.mesh, devices, config.parallel.hosts)
+    mesh = mesh_lib.make_mesh(config.parallel.mesh, devices, config.parallel.hosts,
+                              config.parallel.model_parallel)
     backend = build_backend(config, mesh, components,
                             experiment.build_optimizer(config, optim.learning_rate_fn(config)))
     lowered, abstract = lower_from_shapes(backend, components.sample_inputs(), components.sample,

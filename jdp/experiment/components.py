@@ -27,6 +27,8 @@ class Components:
     model: adapters.Model
     sample: dict[str, np.ndarray]  # one preprocessed eval example, as the host ships it
     metric_names: tuple[str, ...] = ()  # the eval objective's metrics, besides the loss
+    # Logical axis name of the params -> "model" or None (the experiment's axis_rules).
+    axis_rules: tuple = ()
 
     def eval_keys(self) -> list[str]:
         """Every key evaluation reports: `eval/loss`, the metrics, the derived figures."""
@@ -72,7 +74,8 @@ def build(experiment: Experiment, config, *, workdir: str = "",
                           f"{type(task).__name__}. Fix: return jdp.task.Task(objective, inputs).")
     if model is None:
         model = _build_model(experiment, config, data.num_classes)
-    components = Components(data, task, model, sample)
+    components = Components(data, task, model, sample,
+                            axis_rules=tuple(_call(experiment, "axis_rules", config)))
     eval_objective = _check_task(experiment, components)
     return dataclasses.replace(components, metric_names=tuple(sorted(eval_objective.metrics)))
 
