@@ -101,7 +101,6 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
     from jdp.checkpoint.resume import check_resumable
     from jdp.data.text import lm as text_lm
     from jdp.experiment import components as components_lib
-    from jdp.parallel import partitioning
     from jdp.track import configured as trackers
     from jdp.train import loop
 
@@ -143,8 +142,6 @@ def run(config, config_path: str, workdir: str, devices=None, dry_run: bool = Fa
     # The data, task and model, checked (text data prepares its token store here).
     components = components_lib.build(experiment, config, workdir=workdir)
     check_best_metric(config.checkpoint.keep_best, components.eval_keys())
-    partitioning.check_model(components.model, components.sample_inputs(),
-                             components.axis_rules, config.parallel.model_parallel)
     # The trackers last: they send what the hooks before them wrote.
     hooks = [*_call_build_hooks(experiment, config), *trackers.configured_hooks(config, workdir)]
 

@@ -81,6 +81,10 @@ def preflight(config, experiment: Experiment, components: Components, split: Bat
         # (sum, weight) of the loss and each metric, packed beside the gradients
         metric_bytes=4 * 2 * (1 + len(components.metric_names)),
         host_of=mesh_lib.host_of(mesh),
-        state_bytes_per_device=mesh_lib.device_bytes((abstract.params, abstract.opt_state)))
+        state_bytes_per_device=mesh_lib.device_bytes((abstract.params, abstract.opt_state)),
+        model_parallel=mesh_lib.model_size(mesh), data_replica_of=mesh_lib.data_replica_of(mesh),
+        reduced_param_count=sum(p.size // mesh_lib.model_size(mesh)
+                                if mesh_lib.splits_over_model(p.sharding.spec) else p.size
+                                for p in params))
     return Preflight(inputs, lowered.as_text(dialect="hlo", debug_info=True))
 

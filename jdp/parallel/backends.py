@@ -10,7 +10,7 @@ working layout and back.
   are explicit and there is one gradient all-reduce); the optimizer update,
   ZeRO/FSDP sharding and evaluation are partitioned by XLA. With a model axis
   the `shard_map` binds the data axes only: XLA partitions each layer over the
-  model axis from its params' shardings (`partitioning`), inserting the
+  model axis from its params' shardings (`jdp.experiment.partitioning`), inserting the
   activations' all-reduces, and the gradients reduce over the data axes alone.
 - pmap: a full replica of the state on each local device with a leading
   device axis; gradients reduced with one explicit `psum` over every device.
@@ -33,10 +33,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp import DATA_AXIS, HOSTS_AXIS, LOCAL_AXIS, MODEL_AXIS
+from jdp.experiment import partitioning
 from jdp.experiment.adapters import Model
 from jdp.experiment.task import Task
 from jdp.parallel import mesh as mesh_lib
-from jdp.parallel import partitioning
 from jdp.parallel import step as step_lib
 from jdp.parallel.reducers import Reducer, make_reducer, residual_specs
 from jdp.parallel.state import TrainState, init_state, step_rng
@@ -305,15 +305,15 @@ class PjitBackend(Backend):
         over the data axes, the model axis as their names say)."""
         opts, model, task, mesh = self.options, self.model, self.task, self.mesh
         with_model_axis = mesh_lib.model_size(mesh) > 1
-        model_specs = (jax.tree.map(partitioning.model_part, param_specs)
+        model_specs = (jax.tree.map(mesh_lib.model_part, param_specs)
                        if with_model_axis else None)
         # ZeRO-1's optimizer state splits each param along one dimension (where it can).
         axis, size = mesh_lib.shard_axis(mesh, opts.shard_optimizer_state)
         optimizer_specs = jax.tree.map(
-            lambda x, spec: partitioning.data_part(mesh_lib.sharded_over_data(
-                tuple(x.shape), size, axis, partitioning.model_part(spec))),
+            lambda x, spec: mesh_lib.data_part(mesh_lib.sharded_over_data(
+                tuple(x.shape), size, axis, mesh_lib.model_part(spec))),
             abstract_params, param_specs)
-        reducer = self.reducer(jax.tree.map(partitioning.data_part, param_specs),
+        reducer = self.reducer(jax.tree.map(mesh_lib.data_part, param_specs),
                                optimizer_specs, model_specs)
         # The per-device function binds the data axes; XLA partitions the model axis.
         manual_axes = frozenset((HOSTS_AXIS, LOCAL_AXIS)) if with_model_axis else frozenset()

@@ -13,7 +13,7 @@ With `parallel.model_parallel` = M > 1 each host's devices are split further int
 local x model (`hosts` x `local` x `model`, jdp.MODEL_AXIS innermost, so a model
 group is M devices of one host with neighbouring ids): the batch is split over the
 data axes only, and each param over `model` as its logical axis names say
-(`jdp.parallel.partitioning`).
+(`jdp.experiment.partitioning`).
 """
 
 from __future__ import annotations
@@ -156,3 +156,30 @@ def state_leaf_sharding(mesh: Mesh, leaf, mode, model_spec: P = REPLICATED) -> N
         return NamedSharding(mesh, model_spec)
     axis, size = shard_axis(mesh, mode)
     return NamedSharding(mesh, sharded_over_data(tuple(leaf.shape), size, axis, model_spec))
+
+
+# A param's full PartitionSpec joins its split over the model axis and its split over the
+# data axes (ZeRO/FSDP), on another dimension; the step takes the two apart.
+def _keep(spec: P, axes: set[str]) -> P:
+    def entry(name):
+        if isinstance(name, tuple):
+            kept = tuple(n for n in name if n in axes)
+            return kept if kept else None
+        return name if name in axes else None
+    return P(*(entry(name) for name in spec))
+
+
+def data_part(spec: P) -> P:
+    """The entries of `spec` over the data axes: what the per-device step's `shard_map`
+    binds by hand (it leaves the model axis to XLA)."""
+    return _keep(spec, {HOSTS_AXIS, LOCAL_AXIS})
+
+
+def model_part(spec: P) -> P:
+    """The entries of `spec` over the model axis."""
+    return _keep(spec, {MODEL_AXIS})
+
+
+def splits_over_model(spec: P) -> bool:
+    """Whether `spec` splits a dimension over the model axis."""
+    return any(name is not None for name in model_part(spec))

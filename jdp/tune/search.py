@@ -266,8 +266,11 @@ def _search(config, workdir: str, options: Options, explicit: list[dict] | None,
     unit = "tokens" if base.task.weight_unit == "tokens" else "examples"
     input_searched = (explicit is None and space.INPUT_KNOB in options.knobs
                       and _streams(base, config))
+    knobs = options.knobs
+    if base.model.axis_names(base.sample_inputs()) is None:  # nothing to split over a model axis
+        knobs = tuple(knob for knob in knobs if knob != space.MODEL_PARALLEL)
     overrides_list = explicit if explicit is not None else space.search_space(
-        config, options.knobs, setup.topo, input_searched)
+        config, knobs, setup.topo, input_searched)
     candidates = space.make_candidates(config, overrides_list, setup.topo)
     if not candidates:
         raise ConfigError("no legal candidate: every combination searched fails validation. "

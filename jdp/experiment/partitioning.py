@@ -1,12 +1,9 @@
-"""What the model axis splits: each param's logical axis names (`Model.axis_names`)
-mapped through a rules table (logical name -> jdp.MODEL_AXIS or None) to the
-dimension of it that `parallel.model_parallel` devices share, checked before anything
-is compiled.
-
-A param's full PartitionSpec joins two parts: its model part (from here) and its data
-part (ZeRO/FSDP, `mesh.sharded_over_data`, on another dimension). The per-device step
-binds the data axes by hand (`shard_map`) and leaves the model axis to XLA, so it is
-given the two parts apart (`data_part`, `model_part`).
+"""What a model axis splits: each param's logical axis names (`Model.axis_names`)
+mapped through the experiment's rules table (logical name -> jdp.MODEL_AXIS or None) to
+the one dimension of it that the `parallel.model_parallel` devices of a model group
+share, checked when the experiment's components are built, before anything compiles.
+The backends join it with the state's split over the data axes
+(`jdp.parallel.mesh.sharded_over_data`).
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jdp import HOSTS_AXIS, LOCAL_AXIS, MODEL_AXIS
+from jdp import MODEL_AXIS
 from jdp.errors import ConfigError
 from jdp.experiment.adapters import Model
 
@@ -44,7 +41,7 @@ def check_rules(rules: Rules) -> dict[str, str | None]:
 
 
 # What to change when a dimension of a shipped model's params does not divide.
-_FIXES = {"heads": "num_heads", "kv_heads": "num_kv_heads", "mlp": "mlp_dim",
+_FIXES = {"heads": "num_heads", "kv_heads": "num_kv_heads (0: num_heads)", "mlp": "mlp_dim",
           "vocab": "the vocabulary (pad it: experiments/gpt.py takes --config.model.vocab_size)"}
 
 
@@ -74,7 +71,9 @@ def model_specs(model: Model, sample_inputs: tuple, rules: Rules, model_parallel
 
 def check_model(model: Model, sample_inputs: tuple, rules: Rules, model_parallel: int) -> None:
     """`model_specs`' checks on their own, from the model's shapes: for a run to fail at
-    start, before anything is written."""
+    start."""
+    if model_parallel == 1:
+        return
     params = jax.eval_shape(model.init, jax.random.key(0), sample_inputs)[0]
     model_specs(model, sample_inputs, rules, model_parallel, params)
 
@@ -94,28 +93,9 @@ def _leaf_spec(path: str, shape: tuple[int, ...], names: P, table: dict,
         name = names[dim]
         fix = _FIXES.get(name, f"the {name!r} dimension")
         raise ConfigError(
-            f"parallel.model_parallel={model_parallel}: param {path} splits its {name!r} "
-            f"dimension ({shape[dim]}) over the model axis, and {model_parallel} does not "
-            f"divide it. Fix: make {fix} a multiple of {model_parallel} (e.g. "
+            f"parallel.model_parallel={model_parallel}: does not divide the {name!r} "
+            f"dimension ({shape[dim]}) of param {path}, which the model axis splits. Fix: "
+            f"make {fix} a multiple of {model_parallel} (e.g. "
             f"{math.ceil(shape[dim] / model_parallel) * model_parallel}), or use a "
             f"model_parallel that divides {shape[dim]}.")
     return P(*([None] * dim), MODEL_AXIS)
-
-
-def _keep(spec: P, axes: set[str]) -> P:
-    def entry(name):
-        if isinstance(name, tuple):
-            kept = tuple(n for n in name if n in axes)
-            return kept if kept else None
-        return name if name in axes else None
-    return P(*(entry(name) for name in spec))
-
-
-def data_part(spec: P) -> P:
-    """The entries of `spec` over the data axes (what `shard_map` binds by hand)."""
-    return _keep(spec, {HOSTS_AXIS, LOCAL_AXIS})
-
-
-def model_part(spec: P) -> P:
-    """The entries of `spec` over the model axis."""
-    return _keep(spec, {MODEL_AXIS})
