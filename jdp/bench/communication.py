@@ -120,15 +120,15 @@ def step_traffic(model, example: dict, hosts: int, reduction: str, *,
 def run_model_axis(args) -> None:
     """Bytes a device sends per step over the model axis and the data axes, at each
     model_parallel, at the same global batch (float32: XLA:CPU widens bfloat16)."""
-    setting = model_axis.Setting(args.gpt, args.seq_len, args.global_batch_size, "float32",
-                                 "none")
+    setting = model_axis.setting(args, "float32", "none")
     intra = args.intra_gb_s * GB
     for model_parallel, row in model_axis.rows(setting):
         if isinstance(row, str):
             print(f"model_parallel={model_parallel}: refused: {row}", flush=True)
             continue
         total = row.model_axis_sent + row.data_axis_sent
-        print(f"model_parallel={model_parallel} {setting.describe()}: over the model axis "
+        print(f"model_parallel={model_parallel} {setting.describe(model_parallel)}: over the "
+              "model axis "
               f"{row.model_axis_sent / MIB:.1f} MiB in {row.model_axis_ops} collectives, over "
               f"the data axes {row.data_axis_sent / MIB:.1f} MiB per device per step; state "
               f"{row.state_bytes / MIB:.0f} MiB per device; modelled "

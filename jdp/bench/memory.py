@@ -75,15 +75,14 @@ def step_memory(args, layout: str) -> tuple[int, int, float]:
 
 def run_model_axis(args) -> None:
     """Per device at each model_parallel, at the same global batch."""
-    setting = model_axis.Setting(args.gpt, args.seq_len, args.global_batch_size, args.dtype,
-                                 args.remat)
+    setting = model_axis.setting(args, args.dtype, args.remat)
     totals = {}
     for model_parallel, row in model_axis.rows(setting):
         if isinstance(row, str):
             print(f"model_parallel={model_parallel}: refused: {row}", flush=True)
             continue
         totals[model_parallel] = row.argument_bytes + row.temp_bytes
-        print(f"model_parallel={model_parallel} {setting.describe()}: arguments "
+        print(f"model_parallel={model_parallel} {setting.describe(model_parallel)}: arguments "
               f"{row.argument_bytes / MIB:.0f} MiB (params and optimizer state "
               f"{row.state_bytes / MIB:.0f} MiB) + temporaries {row.temp_bytes / MIB:.0f} MiB "
               "per device", flush=True)

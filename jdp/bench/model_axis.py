@@ -43,6 +43,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seq_len", type=int, default=1024, help="with --model_axis")
     parser.add_argument("--global_batch_size", type=int, default=8,
                         help="with --model_axis: sequences per step, the same at every M")
+    parser.add_argument("--per_replica_batch_size", type=int, default=0,
+                        help="with --model_axis: instead, sequences per data replica (the "
+                             "global batch shrinks as M grows)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +55,25 @@ class Setting:
     global_batch_size: int
     dtype: str  # compute dtype
     remat: str
+    per_replica_batch_size: int = 0  # > 0: instead of global_batch_size
 
-    def describe(self) -> str:
+    def batch(self, model_parallel: int) -> int:
+        """The global batch at `model_parallel`."""
+        if self.per_replica_batch_size:
+            return self.per_replica_batch_size * jax.device_count() // model_parallel
+        return self.global_batch_size
+
+    def describe(self, model_parallel: int) -> str:
+        batch = (f"{self.per_replica_batch_size} a data replica" if self.per_replica_batch_size
+                 else "global")
         return (f"{self.gpt} (vocabulary padded to a multiple of {VOCAB_MULTIPLE}), "
-                f"{self.seq_len} tokens, {self.dtype}, remat {self.remat}, global batch "
-                f"{self.global_batch_size} on {jax.device_count()} devices")
+                f"{self.seq_len} tokens, {self.dtype}, remat {self.remat}, batch "
+                f"{self.batch(model_parallel)} ({batch}) on {jax.device_count()} devices")
+
+
+def setting(args, dtype: str, remat: str) -> Setting:
+    return Setting(args.gpt, args.seq_len, args.global_batch_size, dtype, remat,
+                   args.per_replica_batch_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +106,7 @@ def gpt_step(setting: Setting, model_parallel: int) -> Row:
     tokens = np.zeros((setting.seq_len,), np.int32)
     example = {"inputs": tokens, "targets": tokens, "weights": np.ones_like(tokens, np.float32)}
     lowered, state = lower_from_shapes(backend, (tokens[None],), example,
-                                       setting.global_batch_size)
+                                       setting.batch(model_parallel))
     compiled = compile_to_read(lowered, options.compiler_options)
     memory = compiled.memory_analysis()
     replica_of = mesh_lib.data_replica_of(mesh)
@@ -107,7 +124,7 @@ def rows(setting: Setting):
     does not divide, GPT-2 small's 12 heads at 8), yielded as they come (a compile each)."""
     devices = jax.device_count()
     for model_parallel in model_parallel_values(devices):
-        if setting.global_batch_size % (devices // model_parallel):
+        if setting.batch(model_parallel) % (devices // model_parallel):
             raise SystemExit(f"--global_batch_size={setting.global_batch_size}: not divisible "
                              f"by the {devices // model_parallel} data-parallel devices at "
                              f"model_parallel={model_parallel}. Fix: a multiple of {devices}.")

@@ -41,8 +41,9 @@ def check_rules(rules: Rules) -> dict[str, str | None]:
 
 
 # What to change when a dimension of a shipped model's params does not divide.
-_FIXES = {"heads": "num_heads", "kv_heads": "num_kv_heads (0: num_heads)", "mlp": "mlp_dim",
+_FIXES = {"heads": "num_heads", "kv_heads": "num_kv_heads", "mlp": "mlp_dim",
           "vocab": "the vocabulary (pad it: experiments/gpt.py takes --config.model.vocab_size)"}
+_FIX_ORDER = list(_FIXES)
 
 
 def model_specs(model: Model, sample_inputs: tuple, rules: Rules, model_parallel: int,
@@ -63,10 +64,23 @@ def model_specs(model: Model, sample_inputs: tuple, rules: Rules, model_parallel
     table = check_rules(rules)
     paths = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
     leaf_names = jax.tree.leaves(names, is_leaf=_is_spec)
-    specs = [_leaf_spec(jax.tree_util.keystr(path), leaf.shape, leaf_name, table,
-                        model_parallel)
-             for (path, leaf), leaf_name in zip(paths, leaf_names, strict=True)]
+    specs, refused = [], []
+    for (path, leaf), leaf_name in zip(paths, leaf_names, strict=True):
+        try:
+            specs.append(_leaf_spec(jax.tree_util.keystr(path), leaf.shape, leaf_name, table,
+                                    model_parallel))
+        except _NotDivisible as e:
+            refused.append(e)
+    if refused:  # the heads before the key/value heads they default to, then the rest
+        raise min(refused, key=lambda e: _FIX_ORDER.index(e.name)
+                  if e.name in _FIX_ORDER else len(_FIX_ORDER))
     return jax.tree.unflatten(jax.tree.structure(abstract_params), specs)
+
+
+class _NotDivisible(ConfigError):
+    def __init__(self, message: str, name: str):
+        super().__init__(message)
+        self.name = name
 
 
 def check_model(model: Model, sample_inputs: tuple, rules: Rules, model_parallel: int) -> None:
@@ -92,10 +106,10 @@ def _leaf_spec(path: str, shape: tuple[int, ...], names: P, table: dict,
     if shape[dim] % model_parallel:
         name = names[dim]
         fix = _FIXES.get(name, f"the {name!r} dimension")
-        raise ConfigError(
+        raise _NotDivisible(
             f"parallel.model_parallel={model_parallel}: does not divide the {name!r} "
             f"dimension ({shape[dim]}) of param {path}, which the model axis splits. Fix: "
             f"make {fix} a multiple of {model_parallel} (e.g. "
             f"{math.ceil(shape[dim] / model_parallel) * model_parallel}), or use a "
-            f"model_parallel that divides {shape[dim]}.")
+            f"model_parallel that divides {shape[dim]}.", name)
     return P(*([None] * dim), MODEL_AXIS)
