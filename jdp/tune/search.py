@@ -33,7 +33,10 @@ from jdp.runtime import compile_cache, storage
 from jdp.tune import agree, footprint, result, space, trial
 
 SCRATCH_DIR = "tune_scratch"
-FLOAT32_KNOBS = tuple(k for k in space.KNOBS if k not in space.NUMERICS_KNOBS)
+# The default search: every knob that keeps the float32 trajectory but the model axis, which
+# multiplies the candidates by the divisors of a host's devices (`--search` names it).
+FLOAT32_KNOBS = tuple(k for k in space.KNOBS
+                      if k not in (*space.NUMERICS_KNOBS, space.MODEL_PARALLEL))
 
 
 @dataclasses.dataclass(frozen=True)
