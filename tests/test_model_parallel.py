@@ -93,17 +93,22 @@ def test_a_model_axis_follows_the_data_parallel_trajectory(layout_runs, experime
 
 
 @pytest.mark.slow
-def test_two_processes_with_a_model_axis_and_hybrid_fsdp_follow_one_process(layout_runs,
-                                                                           tmp_path):
-    """2 processes x 4 devices, each process data 2 x model 2, the state split further
-    over the 2 data devices of each process (FSDP inside hosts)."""
+@pytest.mark.parametrize("devices, overrides", [
+    # Each process a host of data 2 x model 2, the state split further over the 2 data
+    # devices of each host (FSDP inside hosts).
+    (4, ("--config.parallel.model_parallel=2", "--config.parallel.shard_params=host")),
+    # One host of both processes (as with one process per GPU): the model group of 4
+    # spans the processes, which both feed the batch's rows.
+    (2, ("--config.parallel.model_parallel=4", "--config.parallel.hosts=1")),
+], ids=["hybrid_fsdp", "a_model_group_across_processes"])
+def test_two_processes_with_a_model_axis_follow_one_process(layout_runs, tmp_path, devices,
+                                                            overrides):
     _, (reference_result, reference) = layout_runs(VIT, "8x1")
     proc = run_two_processes(main_command(
-        f"--config={VIT}", f"--workdir={tmp_path}", *VIT_STEPS,
-        "--config.parallel.model_parallel=2", "--config.parallel.shard_params=host",
-        "--config.checkpoint.every_steps=12"), timeout=300)
+        f"--config={VIT}", f"--workdir={tmp_path}", *VIT_STEPS, *overrides,
+        "--config.checkpoint.every_steps=12"), devices, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "'model': 2" in proc.stderr  # the mesh as logged
+    assert f"'model': {overrides[0][-1]}" in proc.stderr  # the mesh as logged
     got, expected = losses(read_metrics(tmp_path)), losses(reference)
     assert sorted(got) == sorted(expected) == [3, 6, 9, 12]
     np.testing.assert_allclose([got[s] for s in (3, 6, 9, 12)],

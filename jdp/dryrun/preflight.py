@@ -62,11 +62,13 @@ def preflight(config, experiment: Experiment, components: Components, split: Bat
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None
         device_memory_bytes = (stats or {}).get("bytes_limit")
     params = jax.tree.leaves(abstract.params)
+    # What this process feeds: more than its share where a model group spans processes.
+    rows = mesh_lib.process_rows(mesh, split.global_batch_size)
     inputs = estimate.PlanInputs(
         platform=device.platform, device_kind=device.device_kind, device_count=mesh.size,
         process_count=jax.process_count(), mesh_shape=dict(mesh.shape),
         global_batch_size=split.global_batch_size,
-        per_process_batch_size=split.per_process_batch_size,
+        per_process_batch_size=rows.stop - rows.start,
         per_device_batch_size=split.per_device_batch_size,
         micro_batch_size=split.micro_batch_size, grad_accum_steps=split.grad_accum_steps,
         num_params=sum(p.size for p in params),

@@ -293,7 +293,8 @@ class PjitBackend(Backend):
     def put_batch(self, local_batch):
         sharding = mesh_lib.batch_sharding(self.mesh)
         process_rows = next(iter(local_batch.values())).shape[0]
-        global_rows = process_rows * self.mesh.size // len(self.mesh.local_devices)
+        global_rows = (process_rows // mesh_lib.local_data_replicas(self.mesh)
+                       * mesh_lib.data_size(self.mesh))
         return {
             key: jax.make_array_from_process_local_data(
                 sharding, value, (global_rows, *value.shape[1:]))

@@ -88,6 +88,14 @@ def host_of(mesh: Mesh) -> dict[int, int]:
     return {position: position // per_host for position in range(mesh.devices.size)}
 
 
+def local_data_replicas(mesh: Mesh) -> int:
+    """The data replicas this process holds devices of: the blocks of rows of each batch
+    it feeds (a model group may span processes, as with one process per GPU)."""
+    local, replica_of = set(mesh.local_devices), data_replica_of(mesh)
+    return len({replica_of[position] for position, device in enumerate(mesh.devices.flat)
+                if device in local})
+
+
 def data_replica_of(mesh: Mesh) -> dict[int, int]:
     """A device's position in the mesh -> its data replica (the group of devices along
     the model axis that computes on one block of the batch's rows)."""

@@ -153,7 +153,7 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, components:
     logging.info("mesh %s over %d devices in %d processes; global batch %d = %d per process "
                  "= %d per data-parallel device (%d) x %d accumulation steps of %d",
                  dict(mesh.shape), mesh.size, jax.process_count(), split.global_batch_size,
-                 split.per_process_batch_size, split.per_device_batch_size,
+                 rows.stop - rows.start, split.per_device_batch_size,
                  split.data_parallel_size, split.grad_accum_steps, split.micro_batch_size)
 
     # -- 2. Data: this process's rows of each global batch -----------------------
