@@ -12,3 +12,8 @@ __version__ = "0.1.0"
 HOSTS_AXIS = "hosts"
 LOCAL_AXIS = "local"
 DATA_AXIS = (HOSTS_AXIS, LOCAL_AXIS)
+# With `parallel.model_parallel` > 1 the mesh has a third axis, inside each host: the
+# devices along it compute on the same rows of the batch, each with its share of every
+# layer's weights (tensor parallelism). The batch and the gradient reduction stay on the
+# data axes.
+MODEL_AXIS = "model"

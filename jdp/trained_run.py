@@ -15,6 +15,7 @@ import json
 import os
 from typing import Any
 
+import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
@@ -83,7 +84,8 @@ class TrainedRun:
     def params(self, model: Any) -> Any:
         """The newest checkpoint's params of `model`, on this process's first device."""
         tokens = np.zeros((1, min(self.config.data.seq_len, model.max_len)), np.int32)
-        abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, train=False))
+        abstract = jax.eval_shape(
+            lambda: nn.unbox(model.init(jax.random.key(0), tokens, train=False)))
         one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return load_params(self.checkpoint_dir, jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device),

@@ -137,7 +137,8 @@ def _backend(path: str, *overrides: str, devices=None):
     config = load_config(path, *overrides)
     exp = loader.load(path)
     parts = components.build(exp, config)
-    mesh = make_mesh(config.parallel.mesh, devices, config.parallel.hosts)
+    mesh = make_mesh(config.parallel.mesh, devices, config.parallel.hosts,
+                     config.parallel.model_parallel)
     return build_backend(config, mesh, parts,
                          exp.build_optimizer(config, optim.learning_rate_fn(config))), parts
 

@@ -8,6 +8,7 @@ Needs torch and transformers (the `test` extra; torch's CPU wheel is for Python 
 import functools
 import json
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,7 +41,7 @@ TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, LENGTH)).astype(np.int3
 def jdp_model(kind: str) -> tuple[Transformer, dict]:
     """A small model of `kind` and params off their init (biases and norms too)."""
     model = Transformer(**SMALL, **MODELS[kind])
-    params = jax.jit(lambda key: model.init(key, TOKENS, train=False)["params"])(
+    params = jax.jit(lambda key: nn.unbox(model.init(key, TOKENS, train=False))["params"])(
         jax.random.key(1, impl="rbg"))
     rng = np.random.default_rng(2)
     return model, jax.tree.map(lambda x: np.asarray(x) + rng.normal(0, 0.05, x.shape)
@@ -193,7 +194,8 @@ def save_transformers_model(directory, kind: str) -> tuple:
 def imported(directory) -> tuple[Transformer, dict]:
     spec = f"hf:{directory}"
     model = Transformer(**hf_import.transformer_fields(spec))
-    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), TOKENS, train=False))
+    abstract = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), TOKENS,
+                                                          train=False)))
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),

@@ -3,6 +3,7 @@
 import functools
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,7 +43,7 @@ def _variables(positions: str) -> dict:
     """Initial variables of the small model; they depend on neither dtype, remat nor dropout."""
     model = _model(positions=positions)
     # The 'rbg' generator compiles much faster on XLA:CPU than threefry.
-    init = jax.jit(lambda key: model.init(key, _tokens(), train=False))
+    init = jax.jit(lambda key: nn.unbox(model.init(key, _tokens(), train=False)))
     return init(jax.random.key(1, impl="rbg"))
 
 

@@ -41,13 +41,14 @@ def _variables(model: nn.Module, images: jax.Array) -> dict:
 def _init_once(model: nn.Module, image_shape: tuple[int, ...]) -> dict:
     # Initialise once per model, with the 'rbg' generator, which XLA:CPU compiles
     # much faster than threefry.
-    init = jax.jit(lambda key: model.init(key, jnp.ones((1, *image_shape)), train=False))
+    init = jax.jit(lambda key: nn.unbox(model.init(key, jnp.ones((1, *image_shape)),
+                                                   train=False)))
     return init(jax.random.key(0, impl="rbg"))
 
 
 def _abstract_variables(model: nn.Module, images: jax.Array) -> dict:
     """The shapes and dtypes of `model`'s initial variables, without compiling."""
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), images, train=False))
+    return jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), images, train=False)))
 
 
 def _abstract_logits(model: nn.Module, images: jax.Array) -> jax.ShapeDtypeStruct:

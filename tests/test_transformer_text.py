@@ -49,7 +49,7 @@ def _variables(positions: str) -> dict:
         params = _variables("rotary")["params"]
         return {"params": {**params, "position_embedding": jnp.asarray(table, jnp.float32)}}
     model = _model(positions=positions)
-    return jax.jit(lambda key: model.init(key, _tokens(), train=False))(
+    return jax.jit(lambda key: nn.unbox(model.init(key, _tokens(), train=False)))(
         jax.random.key(1, impl="rbg"))
 
 
@@ -171,7 +171,7 @@ class _ReferenceTransformer(nn.Module):
 def test_without_segment_ids_and_positions_the_model_is_the_one_before_them(positions):
     tokens, variables = _tokens(seed=3), _variables(positions)
     reference = _ReferenceTransformer(positions)
-    reference_shapes = jax.eval_shape(lambda: reference.init(jax.random.key(0), tokens))
+    reference_shapes = jax.eval_shape(lambda: nn.unbox(reference.init(jax.random.key(0), tokens)))
     shapes = lambda tree: jax.tree.map(lambda leaf: leaf.shape, tree)
     assert shapes(reference_shapes) == shapes(variables)  # checkpoints load either way
     expected = jax.jit(reference.apply)(variables, tokens)
@@ -187,7 +187,8 @@ def test_without_segment_ids_and_positions_the_model_is_the_one_before_them(posi
 def test_gpt2_small_has_gpt2_smalls_124m_parameters_and_no_head():
     model = transformer("gpt2_small", vocab_size=50257, max_len=1024)
     params = jax.eval_shape(
-        lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32), train=False)
+        lambda: nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32),
+                                    train=False))
     )["params"]
     assert sum(leaf.size for leaf in jax.tree.leaves(params)) == 124_439_808
     assert "head" not in params and params["position_embedding"].shape == (1024, 768)
@@ -202,7 +203,7 @@ def _tied_params() -> dict:
 def test_tied_embeddings_compute_the_logits_with_the_token_embedding():
     model, params = _model(tie_embeddings=True), _tied_params()
     params_shapes = jax.eval_shape(
-        lambda: model.init(jax.random.key(0), _tokens(), train=False))["params"]
+        lambda: nn.unbox(model.init(jax.random.key(0), _tokens(), train=False)))["params"]
     assert jax.tree.structure(params_shapes) == jax.tree.structure(params)  # no head
     logits, state = jax.jit(lambda p: model.apply(
         {"params": p}, _tokens(), train=False, capture_intermediates=True,
@@ -238,8 +239,8 @@ def test_flops_per_token_counts_the_tied_head_matmul():
 def test_cached_decoding_gives_the_full_forward_logits_at_every_position(positions):
     model, variables, tokens = _model(positions=positions), _variables(positions), _tokens(4)
     decoder = model.clone(decode=True)
-    decoder_variables = jax.eval_shape(lambda: decoder.init(jax.random.key(0), tokens,
-                                                            train=False))
+    decoder_variables = jax.eval_shape(lambda: nn.unbox(decoder.init(jax.random.key(0), tokens,
+                                                                      train=False)))
     shapes = lambda tree: jax.tree.map(lambda leaf: leaf.shape, tree)
     assert shapes(decoder_variables["params"]) == shapes(variables["params"])  # same params
     assert set(decoder_variables) == {"params", "cache"} and set(variables) == {"params"}
@@ -426,7 +427,7 @@ LLAMA_OPTIONS = dict(norm="rmsnorm", mlp="swiglu", num_kv_heads=2, use_bias=Fals
 @functools.cache
 def _llama_variables() -> dict:
     model = _model(**LLAMA_OPTIONS)
-    return jax.jit(lambda key: model.init(key, _tokens(), train=False))(
+    return jax.jit(lambda key: nn.unbox(model.init(key, _tokens(), train=False)))(
         jax.random.key(1, impl="rbg"))
 
 

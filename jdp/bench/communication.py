@@ -3,6 +3,7 @@ cross-host reduction, ZeRO-1 and FSDP over every device and inside each host.
 
     python -m jdp.bench communication        # ViT-S/16 and ResNet-50 on 2 hosts x 4 devices
     python -m jdp.bench communication --intra_gb_s=900 --inter_gb_s=50
+    python -m jdp.bench communication --model_axis   # GPT-2 small, model_parallel 1 .. 8
 
 Each configuration's train step is lowered from shapes alone (nothing runs, so a
 CPU with 8 simulated devices stands in for 2 hosts of 4 accelerators). The bytes
@@ -18,7 +19,9 @@ sends inside its host and what leaves the busiest host, with ring algorithms
 the two at the given bandwidths (a device's inside its host, a host's across
 hosts); a step's communication is the sum over its collectives, as the reduction
 runs them one after another. Compute and its overlap with communication are not
-modelled: the figure is the communication time alone.
+modelled: the figure is the communication time alone. `--model_axis`: a GPT's step
+at each `model_parallel` on one host (`model_axis.py`): what a device sends over the
+model axis and over the data axes per step, read from the compiled float32 program.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 import optax
 
 from jdp import DATA_AXIS
+from jdp.bench import model_axis
 from jdp.dryrun import hlo
 from jdp.dryrun.lowering import compile_to_read, lower_from_shapes
 from jdp.experiment import adapters
@@ -71,6 +75,7 @@ def add_arguments(parser, name: str) -> None:
                         help="bandwidth of one device inside its host, GB/s")
     parser.add_argument("--inter_gb_s", type=float, default=25.0,
                         help="bandwidth of one host to the others, GB/s")
+    model_axis.add_arguments(parser)
 
 
 def _model(spec: str, args):
@@ -112,7 +117,28 @@ def step_traffic(model, example: dict, hosts: int, reduction: str, *,
     return [op.traffic(host_of) for op in hlo.collectives(program)], grad_bytes, state_bytes
 
 
+def run_model_axis(args) -> None:
+    """Bytes a device sends per step over the model axis and the data axes, at each
+    model_parallel, at the same global batch (float32: XLA:CPU widens bfloat16)."""
+    setting = model_axis.setting(args, "float32", "none")
+    intra = args.intra_gb_s * GB
+    for model_parallel, row in model_axis.rows(setting):
+        if isinstance(row, str):
+            print(f"model_parallel={model_parallel}: refused: {row}", flush=True)
+            continue
+        total = row.model_axis_sent + row.data_axis_sent
+        print(f"model_parallel={model_parallel} {setting.describe(model_parallel)}: over the "
+              "model axis "
+              f"{row.model_axis_sent / MIB:.1f} MiB in {row.model_axis_ops} collectives, over "
+              f"the data axes {row.data_axis_sent / MIB:.1f} MiB per device per step; state "
+              f"{row.state_bytes / MIB:.0f} MiB per device; modelled "
+              f"{total / intra * 1e3:.2f} ms at {args.intra_gb_s:g} GB/s", flush=True)
+
+
 def run(args) -> None:
+    if args.model_axis:
+        run_model_axis(args)
+        return
     intra, inter = args.intra_gb_s * GB, args.inter_gb_s * GB
     local = jax.device_count() // args.hosts
     print(f"{args.hosts} hosts x {local} devices; modelled at {args.intra_gb_s:g} GB/s per "

@@ -1,7 +1,9 @@
 """Per-device memory and communication of the train step: replicated, ZeRO-1 and FSDP,
-over every device and inside each host (`--hosts`, default 2 virtual hosts).
+over every device and inside each host (`--hosts`, default 2 virtual hosts); with
+`--model_axis`, a GPT's step at each `model_parallel` instead (`model_axis.py`).
 
     python -m jdp.bench memory --model=base   # ViT-B/16 at 224, bf16, one example per device
+    python -m jdp.bench memory --model_axis   # GPT-2 small at model_parallel 1, 2, 4, 8
 
 Read from XLA's `memory_analysis()` and the collectives of the step compiled
 from shapes alone (nothing is allocated), so it runs on a CPU for any device
@@ -17,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jdp.bench import model_axis
 from jdp.dryrun import hlo
 from jdp.dryrun.lowering import compile_to_read, lower_from_shapes
 from jdp.experiment import adapters
@@ -46,6 +49,7 @@ def add_arguments(parser, name: str) -> None:
     parser.add_argument("--remat", default="none", help="none, full, ...")
     parser.add_argument("--hosts", type=int, default=2,
                         help="hosts the devices are split into (the host modes need 2 or more)")
+    model_axis.add_arguments(parser)
 
 
 def step_memory(args, layout: str) -> tuple[int, int, float]:
@@ -69,7 +73,27 @@ def step_memory(args, layout: str) -> tuple[int, int, float]:
     return memory.argument_size_in_bytes, memory.temp_size_in_bytes, sent
 
 
+def run_model_axis(args) -> None:
+    """Per device at each model_parallel, at the same global batch."""
+    setting = model_axis.setting(args, args.dtype, args.remat)
+    totals = {}
+    for model_parallel, row in model_axis.rows(setting):
+        if isinstance(row, str):
+            print(f"model_parallel={model_parallel}: refused: {row}", flush=True)
+            continue
+        totals[model_parallel] = row.argument_bytes + row.temp_bytes
+        print(f"model_parallel={model_parallel} {setting.describe(model_parallel)}: arguments "
+              f"{row.argument_bytes / MIB:.0f} MiB (params and optimizer state "
+              f"{row.state_bytes / MIB:.0f} MiB) + temporaries {row.temp_bytes / MIB:.0f} MiB "
+              "per device", flush=True)
+    ratios = ", ".join(f"M={m} {total / totals[1]:.3f}" for m, total in totals.items() if m > 1)
+    print(f"memory: arguments + temporaries per device against model_parallel=1: {ratios}")
+
+
 def run(args) -> None:
+    if args.model_axis:
+        run_model_axis(args)
+        return
     if args.hosts < 1 or jax.device_count() % args.hosts:
         print(f"--hosts={args.hosts}: this process has {jax.device_count()} devices, which "
               f"{args.hosts} hosts do not divide. Fix: --hosts=1, or more devices "

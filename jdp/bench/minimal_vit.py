@@ -47,6 +47,7 @@ def load_split(split: str):
 
 def main(argv: list[str]) -> None:
     args = _arguments(argv)
+    import flax.linen as nn
     import jax
     import numpy as np
     import optax
@@ -66,8 +67,9 @@ def main(argv: list[str]) -> None:
     tx = optax.adamw(schedule, weight_decay=args.weight_decay,
                      mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
     key = jax.random.key(args.seed)
-    params = jax.jit(lambda: model.init({"params": key, "dropout": key}, train_x[:1] * 0,
-                                        train=False)["params"], out_shardings=replicated)()
+    params = jax.jit(lambda: nn.unbox(model.init({"params": key, "dropout": key},
+                                                 train_x[:1] * 0, train=False))["params"],
+                     out_shardings=replicated)()
     opt_state = jax.jit(tx.init, out_shardings=replicated)(params)
 
     def loss_fn(params, images, labels):

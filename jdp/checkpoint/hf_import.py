@@ -13,6 +13,7 @@ import json
 import os
 from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
 
@@ -116,5 +117,5 @@ def _shapes(fields: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
     model = Transformer(**fields)
     tokens = np.zeros((1, 1), np.int32)
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, train=False))
+    shapes = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), tokens, train=False)))
     return {name: tuple(leaf.shape) for name, leaf in packing.flat(shapes["params"]).items()}

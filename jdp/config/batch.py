@@ -11,12 +11,20 @@ from jdp.config.checks import fail
 
 @dataclasses.dataclass(frozen=True)
 class BatchSplit:
-    """How one global batch is split over processes, devices and micro-batches."""
+    """How one global batch is split over processes, devices and micro-batches. With a
+    model axis (`model_parallel` > 1) the batch splits over the data-parallel devices
+    only: the devices of a model group compute on the same rows."""
 
     global_batch_size: int
     process_count: int
     device_count: int
     grad_accum_steps: int
+    model_parallel: int = 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The ways the batch is split: devices / model_parallel."""
+        return self.device_count // self.model_parallel
 
     @property
     def per_process_batch_size(self) -> int:
@@ -24,7 +32,8 @@ class BatchSplit:
 
     @property
     def per_device_batch_size(self) -> int:
-        return self.global_batch_size // self.device_count
+        """Examples each device computes on (its data replica's rows)."""
+        return self.global_batch_size // self.data_parallel_size
 
     @property
     def micro_batch_size(self) -> int:
@@ -33,29 +42,44 @@ class BatchSplit:
 
 
 
+def data_devices_text(device_count: int, model_parallel: int) -> str:
+    """How an error names the devices the batch splits over."""
+    if model_parallel == 1:
+        return f"the device count ({device_count})"
+    return (f"the data-parallel device count ({device_count} devices / model_parallel "
+            f"{model_parallel} = {device_count // model_parallel})")
+
+
 def batch_split(
-    global_batch_size: int, grad_accum_steps: int, device_count: int, process_count: int
+    global_batch_size: int, grad_accum_steps: int, device_count: int, process_count: int,
+    model_parallel: int = 1,
 ) -> BatchSplit:
-    """Checks the batch arithmetic; every later size is derived from the global batch."""
-    if global_batch_size % device_count:
-        lower = global_batch_size - global_batch_size % device_count
+    """Checks the batch arithmetic; every later size is derived from the global batch.
+    The batch splits over the data-parallel devices (`device_count / model_parallel`)."""
+    data_devices = device_count // model_parallel
+    if global_batch_size % data_devices:
+        lower = global_batch_size - global_batch_size % data_devices
         fail(
             "batch_size",
             global_batch_size,
-            f"the global batch must be divisible by the device count ({device_count})",
-            f"use a multiple of {device_count}, e.g. --config.batch_size={lower or device_count}",
+            "the global batch must be divisible by "
+            f"{data_devices_text(device_count, model_parallel)}",
+            f"use a multiple of {data_devices}, e.g. --config.batch_size={lower or data_devices}",
         )
-    per_device = global_batch_size // device_count
+    per_device = global_batch_size // data_devices
     if per_device % grad_accum_steps:
+        devices = (f"{data_devices} devices" if model_parallel == 1 else
+                   f"{data_devices} data-parallel devices")
         fail(
             "grad_accum_steps",
             grad_accum_steps,
-            f"must divide the per-device batch ({global_batch_size} / {device_count} devices "
+            f"must divide the per-device batch ({global_batch_size} / {devices} "
             f"= {per_device})",
             f"use a divisor of {per_device}, or a batch_size that is a multiple of "
-            f"{device_count * grad_accum_steps}",
+            f"{data_devices * grad_accum_steps}",
         )
-    return BatchSplit(global_batch_size, process_count, device_count, grad_accum_steps)
+    return BatchSplit(global_batch_size, process_count, device_count, grad_accum_steps,
+                      model_parallel)
 
 
 

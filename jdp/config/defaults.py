@@ -112,6 +112,11 @@ def defaults() -> ml_collections.ConfigDict:
     # Groups of devices that share a fast interconnect; 0 = one per process. More
     # than the processes splits each process's devices into virtual hosts.
     c.parallel.hosts = 0
+    # Tensor parallelism (pjit only): each host's devices split into data x model, M
+    # devices holding one data replica's share of every layer (heads, MLP units and
+    # vocabulary split, as the model's logical axis names say). M divides a host's
+    # devices; the batch splits over the data-parallel devices only (devices / M).
+    c.parallel.model_parallel = 1
     # ZeRO-1 and FSDP (pjit only): False, True (sharded over every device) or "host"
     # (sharded over the devices of each host, replicated across hosts: the gathers and
     # scatters stay inside hosts and 1/L of the gradient crosses them, once a step).

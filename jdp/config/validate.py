@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from jdp.config.batch import BatchSplit, batch_split
+from jdp.config.batch import BatchSplit, batch_split, data_devices_text
 from jdp.config.checks import check_choice, check_positive, fail
 from jdp.config.defaults import (
     BACKENDS,
@@ -54,19 +54,47 @@ def validate(config: ml_collections.ConfigDict, device_count: int,
                   "replica of the state on every device",
                   "use --config.parallel.backend=pjit to shard it")
     _check_reduction(config, device_count, process_count)
+    _check_model_parallel(config, device_count, process_count)
     if "gpu" in config:
         gpu_flags.parse_flags(config.gpu.flags)
     if config.warmup_steps >= config.total_steps:
         fail("warmup_steps", config.warmup_steps,
               f"must be below total_steps ({config.total_steps})", "shorten the warmup")
 
-    plan = batch_split(config.batch_size, config.grad_accum_steps, device_count, process_count)
+    model_parallel = config.parallel.model_parallel
+    plan = batch_split(config.batch_size, config.grad_accum_steps, device_count, process_count,
+                       model_parallel)
     eval_batch = config.eval_batch_size or config.batch_size
-    if eval_batch % device_count:
+    if eval_batch % plan.data_parallel_size:
         fail("eval_batch_size", eval_batch,
-              f"must be divisible by the device count ({device_count})",
-              f"use a multiple of {device_count}")
+              f"must be divisible by {data_devices_text(device_count, model_parallel)}",
+              f"use a multiple of {plan.data_parallel_size}")
     return plan
+
+
+def _check_model_parallel(config: ml_collections.ConfigDict, device_count: int,
+                          process_count: int) -> None:
+    """The model axis: inside a host, pjit only."""
+    parallel = config.parallel
+    model_parallel = parallel.model_parallel
+    if not isinstance(model_parallel, int) or model_parallel < 1:
+        fail("parallel.model_parallel", model_parallel, "must be a whole number >= 1",
+              "pass --config.parallel.model_parallel=1 (data parallelism only) or more")
+    if model_parallel == 1:
+        return
+    if parallel.backend == "pmap":
+        fail("parallel.model_parallel", model_parallel, "the pmap backend keeps a whole "
+              "replica of the model on every device", "use --config.parallel.backend=pjit")
+    per_host = device_count // (parallel.hosts or process_count)
+    if per_host % model_parallel:
+        divisors = [d for d in range(1, per_host + 1) if per_host % d == 0]
+        fail("parallel.model_parallel", model_parallel,
+              f"must divide the {per_host} devices of a host (the model axis never crosses "
+              "hosts)", f"use one of {divisors}")
+    if parallel.cross_host_reduce != "float32":
+        fail("parallel.cross_host_reduce", parallel.cross_host_reduce,
+              "the compressed cross-host reduction is not implemented with a model axis",
+              "use --config.parallel.cross_host_reduce=float32 with model_parallel > 1")
 
 
 def _check_reduction(config: ml_collections.ConfigDict, device_count: int,

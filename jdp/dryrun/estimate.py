@@ -2,8 +2,9 @@
 
 Given numbers already read from the compiled step (memory and FLOPs from XLA, the
 collectives from its HLO), this module does the arithmetic and writes the text: memory
-per device against capacity, the gradient all-reduce against the parameter count, and
-how the gradient communication would scale to more devices. It compiles nothing.
+per device against capacity, the gradient all-reduce against the parameter count, what
+the model axis's collectives send (with `parallel.model_parallel`), and how the
+gradient communication would scale to more devices. It compiles nothing.
 """
 
 from __future__ import annotations
@@ -68,6 +69,16 @@ class PlanInputs:
     host_of: dict[int, int] | None = None
     # What one device holds of the params and optimizer state (its shards).
     state_bytes_per_device: int | None = None
+    model_parallel: int = 1  # devices along the model axis
+    # A device's position in the mesh -> its data replica (the model group it is in).
+    data_replica_of: dict[int, int] | None = None
+    # Gradient values one device reduces: its model shard of each param (num_params / M
+    # for the split ones); None: num_params.
+    reduced_param_count: int | None = None
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.device_count // self.model_parallel
 
 
 def ring_all_reduce_s(num_bytes: float, device_count: int,
@@ -197,12 +208,18 @@ def _duration(seconds: float) -> str:
 def _devices_lines(inputs: PlanInputs) -> list[str]:
     mesh = ", ".join(f"{axis}={size}" for axis, size in inputs.mesh_shape.items())
     processes = f"{inputs.process_count} process{'' if inputs.process_count == 1 else 'es'}"
+    if inputs.model_parallel == 1:
+        devices = f"{inputs.device_count} x {inputs.per_device_batch_size} per device"
+    else:  # the batch splits over the data axes only
+        devices = (f"{inputs.data_parallel_size} data-parallel x "
+                   f"{inputs.per_device_batch_size} per device (each row on the "
+                   f"{inputs.model_parallel} devices of its model group)")
     return [f"Devices: {inputs.device_count} x {inputs.device_kind} ({inputs.platform}), "
             f"{processes}; mesh {mesh}",
             f"Batch: global {inputs.global_batch_size} = {inputs.process_count} x "
-            f"{inputs.per_process_batch_size} per process = {inputs.device_count} x "
-            f"{inputs.per_device_batch_size} per device; per device {inputs.grad_accum_steps} "
-            f"accumulation step(s) x micro-batch {inputs.micro_batch_size}",
+            f"{inputs.per_process_batch_size} per process = {devices}; per device "
+            f"{inputs.grad_accum_steps} accumulation step(s) x micro-batch "
+            f"{inputs.micro_batch_size}",
             f"Parameters: {inputs.num_params:,} ({inputs.param_bytes / 2**20:.2f} MiB)"]
 
 
@@ -264,22 +281,50 @@ def _host_lines(inputs: PlanInputs) -> list[str]:
     return lines
 
 
+def over_model_axis(collective: Collective, data_replica_of: dict[int, int]) -> bool:
+    """Whether each of the op's groups lies within one model group (one data replica):
+    the model axis's own collectives (XLA's, for the layers split over it)."""
+    groups = collective.replica_groups
+    return bool(groups) and all(len({data_replica_of[d] for d in group}) == 1
+                                for group in groups)
+
+
+def _model_axis_lines(inputs: PlanInputs) -> list[str]:
+    """With a model axis: what its collectives (XLA's, inside each model group) send."""
+    if inputs.model_parallel == 1 or inputs.data_replica_of is None:
+        return []
+    ops = [c for c in inputs.collectives if over_model_axis(c, inputs.data_replica_of)]
+    counts: dict[str, int] = {}
+    for c in ops:
+        counts[c.kind] = counts.get(c.kind, 0) + 1
+    kinds = ", ".join(f"{count} {kind}" for kind, count in counts.items()) or "none"
+    sent = sum(c.ring_bytes_sent(inputs.model_parallel) for c in ops)
+    looped = sum(1 for c in ops if c.in_loop)
+    return [f"Model axis: groups of {inputs.model_parallel} devices, each holding 1/"
+            f"{inputs.model_parallel} of every split layer; per step {kinds} "
+            f"({_size(sum(c.bytes for c in ops))} of results), {_size(sent)} sent per device "
+            f"(ring algorithms{'; loop bodies counted once' if looped else ''})"]
+
+
 def _gradient_lines(inputs: PlanInputs) -> tuple[list[str], int]:
     """The gradient all-reduce against the parameter count, and the bytes to scale."""
     total = gradient_all_reduce_bytes(inputs.collectives)
     scalars = inputs.metric_bytes if total else 0
-    expected = expected_gradient_bytes(inputs.num_params, inputs.grad_reduce_dtype)
+    reduced = inputs.reduced_param_count or inputs.num_params
+    expected = expected_gradient_bytes(reduced, inputs.grad_reduce_dtype)
     per_param = _GRAD_BYTES_PER_PARAM[inputs.grad_reduce_dtype]
+    share = ("" if inputs.model_parallel == 1 else
+             f" (a device's model shard of the {inputs.num_params:,}; over the data axes only)")
     lines = [f"Gradient all-reduce: {total:,} B ({_size(total)}), of which "
              f"{scalars:,} B metric sums: gradients {total - scalars:,} B",
-             f"  expected {per_param} B x {inputs.num_params:,} parameters "
+             f"  expected {per_param} B x {reduced:,} parameters{share} "
              f"({inputs.grad_reduce_dtype}) = {expected:,} B"]
     others = other_all_reduces(inputs.collectives)
     if others:
         other_bytes = sum(c.bytes for c in others)
         lines.append(f"  {len(others)} other all-reduce(s) of {_size(other_bytes)} in all: "
-                     "the model's own (BatchNorm's global-batch statistics) or, with "
-                     "sharded state, XLA's (global norms of sharded gradients)")
+                     "the model's own (BatchNorm's global-batch statistics) or XLA's (the "
+                     "model axis's; global norms of sharded gradients)")
     if any(c.kind == "reduce-scatter" and _is_gradient_reduce(c) for c in inputs.collectives):
         lines.append("  as reduce-scatters (FSDP, ZeRO-1): each device keeps the sum of its "
                      "own shard")
@@ -334,6 +379,7 @@ def format_plan(inputs: PlanInputs) -> str:
         _flops_line(inputs),
         compute_source,
         *_collective_lines(inputs.collectives),
+        *_model_axis_lines(inputs),
         *_host_lines(inputs),
         *gradient_lines,
         *_scaling_lines(grad_bytes, compute_s),

@@ -44,7 +44,8 @@ def preflight(config, experiment: Experiment, components: Components, split: Bat
     `device_memory_bytes` overrides the capacity the device reports (CPUs report
     none); `step_time_s` is a measured step time for the scaling estimate.
     """
-    mesh = mesh_lib.make_mesh(config.parallel.mesh, devices, config.parallel.hosts)
+    mesh = mesh_lib.make_mesh(config.parallel.mesh, devices, config.parallel.hosts,
+                              config.parallel.model_parallel)
     backend = build_backend(config, mesh, components,
                             experiment.build_optimizer(config, optim.learning_rate_fn(config)))
     lowered, abstract = lower_from_shapes(backend, components.sample_inputs(), components.sample,
@@ -61,11 +62,13 @@ def preflight(config, experiment: Experiment, components: Components, split: Bat
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None
         device_memory_bytes = (stats or {}).get("bytes_limit")
     params = jax.tree.leaves(abstract.params)
+    # What this process feeds: more than its share where a model group spans processes.
+    rows = mesh_lib.process_rows(mesh, split.global_batch_size)
     inputs = estimate.PlanInputs(
         platform=device.platform, device_kind=device.device_kind, device_count=mesh.size,
         process_count=jax.process_count(), mesh_shape=dict(mesh.shape),
         global_batch_size=split.global_batch_size,
-        per_process_batch_size=split.per_process_batch_size,
+        per_process_batch_size=rows.stop - rows.start,
         per_device_batch_size=split.per_device_batch_size,
         micro_batch_size=split.micro_batch_size, grad_accum_steps=split.grad_accum_steps,
         num_params=sum(p.size for p in params),
@@ -80,6 +83,10 @@ def preflight(config, experiment: Experiment, components: Components, split: Bat
         # (sum, weight) of the loss and each metric, packed beside the gradients
         metric_bytes=4 * 2 * (1 + len(components.metric_names)),
         host_of=mesh_lib.host_of(mesh),
-        state_bytes_per_device=mesh_lib.device_bytes((abstract.params, abstract.opt_state)))
+        state_bytes_per_device=mesh_lib.device_bytes((abstract.params, abstract.opt_state)),
+        model_parallel=mesh_lib.model_size(mesh), data_replica_of=mesh_lib.data_replica_of(mesh),
+        reduced_param_count=sum(p.size // mesh_lib.model_size(mesh)
+                                if mesh_lib.splits_over_model(p.sharding.spec) else p.size
+                                for p in params))
     return Preflight(inputs, lowered.as_text(dialect="hlo", debug_info=True))
 

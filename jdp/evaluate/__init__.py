@@ -69,8 +69,10 @@ def evaluate_run(workdir: str, *, step: int | None = None, changes: dict | None 
     check_changeable(changes)
     config.update_from_flattened_dict(changes)
     paths.make_absolute(config)
-    # Gradients are not reduced here; one host, flat.
-    config.parallel.update({"reduction": "flat", "hosts": 0, "cross_host_reduce": "float32"})
+    # Gradients are not reduced here; one host, flat, data-parallel (the checkpoint holds
+    # global arrays, whatever model axis it was trained with).
+    config.parallel.update({"reduction": "flat", "hosts": 0, "cross_host_reduce": "float32",
+                            "model_parallel": 1})
     compile_cache.enable(compile_cache.resolve_dir(config.get("compile_cache_dir", "")))
     step_dir = run.step_dir(step)
     devices = jax.local_devices() if devices is None else devices

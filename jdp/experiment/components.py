@@ -13,7 +13,7 @@ from jdp import HOSTS_AXIS, LOCAL_AXIS
 from jdp.data import core as data_core
 from jdp.data.core import Data
 from jdp.errors import ConfigError
-from jdp.experiment import adapters
+from jdp.experiment import adapters, partitioning
 from jdp.experiment import task as task_lib
 from jdp.experiment.loader import Experiment
 
@@ -27,6 +27,8 @@ class Components:
     model: adapters.Model
     sample: dict[str, np.ndarray]  # one preprocessed eval example, as the host ships it
     metric_names: tuple[str, ...] = ()  # the eval objective's metrics, besides the loss
+    # Logical axis name of the params -> "model" or None (the experiment's axis_rules).
+    axis_rules: tuple = ()
 
     def eval_keys(self) -> list[str]:
         """Every key evaluation reports: `eval/loss`, the metrics, the derived figures."""
@@ -72,8 +74,13 @@ def build(experiment: Experiment, config, *, workdir: str = "",
                           f"{type(task).__name__}. Fix: return jdp.task.Task(objective, inputs).")
     if model is None:
         model = _build_model(experiment, config, data.num_classes)
-    components = Components(data, task, model, sample)
+    components = Components(data, task, model, sample,
+                            axis_rules=tuple(_call(experiment, "axis_rules", config)))
     eval_objective = _check_task(experiment, components)
+    # What a model axis splits, checked against it (a model whose params name no axes,
+    # a split dimension it does not divide); a run saved before there was one has none.
+    partitioning.check_model(model, components.sample_inputs(), components.axis_rules,
+                             config.parallel.get("model_parallel", 1))
     return dataclasses.replace(components, metric_names=tuple(sorted(eval_objective.metrics)))
 
 

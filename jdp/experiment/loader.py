@@ -8,11 +8,14 @@
     def build_task(config) -> jdp.task.Task                     # optional
     def flops_per_example(config) -> float                      # optional: for MFU
     def build_hooks(config) -> list[jdp.hooks.Hook]             # optional: periodic hooks
+    def axis_rules(config) -> [(logical name, "model" | None)]  # optional: model axis
 
 `num_classes` is passed only when `build_model` takes it. Without
 `build_optimizer`, jdp uses AdamW (`jdp.experiment.optim.adamw`); without `build_data`, the
 data the config names (`jdp.data.default`); without `build_task`, softmax
-classification of `image` into `label` (`jdp.task.classification`).
+classification of `image` into `label` (`jdp.task.classification`); without
+`axis_rules`, the rules of jdp's own models (`jdp.models.axes.RULES`): which logical
+axis names of the params `parallel.model_parallel` splits.
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ def _default_task(config) -> task_lib.Task:
     return task_lib.classification(config.label_smoothing)
 
 
+def _default_axis_rules(config) -> tuple:
+    from jdp.models.axes import RULES  # the models' names: flax, loaded where used
+
+    return RULES
+
+
 @dataclasses.dataclass(frozen=True)
 class Experiment:
     path: str
@@ -45,6 +54,7 @@ class Experiment:
     build_task: Callable = _default_task
     flops_per_example: Callable | None = None  # model FLOPs of one training example
     build_hooks: Callable | None = None  # -> [jdp.hooks.Hook]: run after their steps
+    axis_rules: Callable = _default_axis_rules  # logical axis name -> "model" or None
 
     def function_name(self, hook: str) -> str:
         """How errors name one of the functions: the experiment's own, or jdp's default."""
@@ -77,6 +87,6 @@ def load(path: str) -> Experiment:
                           "*, num_classes). Fix: add one that returns the Flax model to train.")
     hooks = {hook: getattr(module, hook) for hook in ("build_optimizer", "build_data",
                                                       "build_task", "flops_per_example",
-                                                      "build_hooks")
+                                                      "build_hooks", "axis_rules")
              if callable(getattr(module, hook, None))}
     return Experiment(path=path, build_model=module.build_model, **hooks)

@@ -8,7 +8,9 @@ while parameters stay in `param_dtype`; the logits are float32.
 
 One model, with options: the default block is GPT-2's (LayerNorm, GELU MLP, biases);
 `norm='rmsnorm'`, `mlp='swiglu'`, `num_kv_heads` (grouped-query attention),
-`rotary_base` and `use_bias=False` make it Llama's.
+`rotary_base` and `use_bias=False` make it Llama's. Every option's params carry the
+logical axis names of `axes.py`: with `parallel.model_parallel` the heads, the MLP's
+hidden units and the vocabulary are split over the model axis.
 """
 
 import functools
@@ -18,6 +20,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax import lax
 
+from jdp.models import axes
 from jdp.models.remat import maybe_remat, remat_policy
 from jdp.models.vit import MlpBlock
 
@@ -131,13 +134,17 @@ class CausalSelfAttention(nn.Module):
         features = x.shape[-1]
         head_dim = features // self.num_heads
         kv_heads = self.num_kv_heads or self.num_heads
-        dense = functools.partial(
-            nn.DenseGeneral, axis=-1, use_bias=self.use_bias, dtype=self.dtype,
-            param_dtype=self.param_dtype,
-        )
-        query = dense(features=(self.num_heads, head_dim), name="query")(x)
-        key = dense(features=(kv_heads, head_dim), name="key")(x)
-        value = dense(features=(kv_heads, head_dim), name="value")(x)
+        def dense(heads: int, heads_name: str, name: str) -> nn.DenseGeneral:
+            # Column-parallel: split over the model axis by heads.
+            return nn.DenseGeneral(
+                features=(heads, head_dim), axis=-1, use_bias=self.use_bias, dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                kernel_init=axes.kernel(axes.EMBED, heads_name, axes.HEAD_DIM),
+                bias_init=axes.bias(heads_name, axes.HEAD_DIM), name=name)
+
+        query = dense(self.num_heads, axes.HEADS, "query")(x)
+        key = dense(kv_heads, axes.KV_HEADS, "key")(x)
+        value = dense(kv_heads, axes.KV_HEADS, "value")(x)
         if self.rotary:
             query = apply_rotary(query, positions, self.rotary_base)
             key = apply_rotary(key, positions, self.rotary_base)
@@ -163,9 +170,11 @@ class CausalSelfAttention(nn.Module):
             query, key, mask=mask, dtype=self.dtype, force_fp32_for_softmax=True
         )
         y = jnp.einsum("...hqk,...khd->...qhd", weights.astype(value.dtype), value)
-        return nn.DenseGeneral(
+        return nn.DenseGeneral(  # row-parallel: the heads' sum is the block's all-reduce
             features, axis=(-2, -1), use_bias=self.use_bias, dtype=self.dtype,
-            param_dtype=self.param_dtype, name="out"
+            param_dtype=self.param_dtype,
+            kernel_init=axes.kernel(axes.HEADS, axes.HEAD_DIM, axes.EMBED),
+            bias_init=axes.bias(axes.EMBED), name="out"
         )(y)
 
 
@@ -182,16 +191,24 @@ class SwiGluMlp(nn.Module):
     def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
         dense = functools.partial(nn.Dense, use_bias=self.use_bias, dtype=self.dtype,
                                   param_dtype=self.param_dtype)
-        y = nn.silu(dense(self.mlp_dim, name="gate")(x)) * dense(self.mlp_dim, name="up")(x)
-        y = dense(x.shape[-1], name="down")(y)
+        # gate and up column-parallel, down row-parallel over the model axis.
+        hidden = functools.partial(dense, self.mlp_dim,
+                                   kernel_init=axes.kernel(axes.EMBED, axes.MLP),
+                                   bias_init=axes.bias(axes.MLP))
+        y = nn.silu(hidden(name="gate")(x)) * hidden(name="up")(x)
+        y = dense(x.shape[-1], kernel_init=axes.kernel(axes.MLP, axes.EMBED),
+                  bias_init=axes.bias(axes.EMBED), name="down")(y)
         return nn.Dropout(self.dropout_rate)(y, deterministic=not train)
 
 
 def _norm(kind: str, epsilon: float, dtype: Any, param_dtype: Any,
           name: str | None = None) -> nn.Module:
     """A norm of `kind`; without `name`, auto-named (LayerNorm_0, RMSNorm_0, ...)."""
-    cls = nn.LayerNorm if kind == "layernorm" else nn.RMSNorm
-    return cls(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, name=name)
+    if kind == "layernorm":
+        return nn.LayerNorm(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, name=name,
+                            **axes.norm_inits())
+    return nn.RMSNorm(epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, name=name,
+                      **axes.norm_inits(use_bias=False))
 
 
 class DecoderBlock(nn.Module):
@@ -373,7 +390,8 @@ class Transformer(nn.Module):
         embedding = nn.Embed(
             self.vocab_size,
             self.hidden_size,
-            embedding_init=nn.initializers.normal(stddev=0.02),
+            embedding_init=axes.named(nn.initializers.normal(stddev=0.02), axes.VOCAB,
+                                      axes.EMBED),
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             name="token_embedding",
@@ -382,7 +400,7 @@ class Transformer(nn.Module):
         if self.positions == "learned":
             position_embedding = self.param(
                 "position_embedding",
-                nn.initializers.normal(stddev=0.02),
+                axes.named(nn.initializers.normal(stddev=0.02), axes.POSITION, axes.EMBED),
                 (self.max_len, self.hidden_size),
                 self.param_dtype,
             )
@@ -421,7 +439,8 @@ class Transformer(nn.Module):
         else:
             logits = nn.Dense(
                 self.vocab_size, use_bias=self.use_bias, dtype=self.dtype,
-                param_dtype=self.param_dtype, name="head"
+                param_dtype=self.param_dtype, kernel_init=axes.kernel(axes.EMBED, axes.VOCAB),
+                bias_init=axes.bias(axes.VOCAB), name="head"
             )(x)
         # The loss (log-softmax) is computed in float32 whatever the compute dtype.
         return logits.astype(jnp.float32)

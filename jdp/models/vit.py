@@ -2,6 +2,8 @@
 
 Owns the ViT model, its standard sizes by name and `vit(size, ...)`. Compute
 runs in `dtype` while parameters stay in `param_dtype`; the logits are float32.
+The params carry the logical axis names of `axes.py` (heads and MLP units split
+over the model axis with `parallel.model_parallel`).
 """
 
 import functools
@@ -10,6 +12,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jdp.models import axes
 from jdp.models.remat import maybe_remat, remat_policy
 
 VIT_SIZES: dict[str, dict[str, int]] = {
@@ -38,7 +41,8 @@ def _attention(
 
 
 class MlpBlock(nn.Module):
-    """Dense -> GELU -> Dense, with dropout after each."""
+    """Dense -> GELU -> Dense, with dropout after each; column- then row-parallel over the
+    model axis (the hidden units split)."""
 
     mlp_dim: int
     dropout_rate: float
@@ -51,10 +55,12 @@ class MlpBlock(nn.Module):
         hidden_size = x.shape[-1]
         dense = functools.partial(nn.Dense, use_bias=self.use_bias, dtype=self.dtype,
                                   param_dtype=self.param_dtype)
-        x = dense(self.mlp_dim)(x)
+        x = dense(self.mlp_dim, kernel_init=axes.kernel(axes.EMBED, axes.MLP),
+                  bias_init=axes.bias(axes.MLP))(x)
         x = nn.gelu(x)  # the tanh approximation (GPT-2's "gelu_new")
         x = nn.Dropout(self.dropout_rate)(x, deterministic=not train)
-        x = dense(hidden_size)(x)
+        x = dense(hidden_size, kernel_init=axes.kernel(axes.MLP, axes.EMBED),
+                  bias_init=axes.bias(axes.EMBED))(x)
         return nn.Dropout(self.dropout_rate)(x, deterministic=not train)
 
 
@@ -69,16 +75,22 @@ class EncoderBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
-        y = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype)(x)
+        norm = functools.partial(nn.LayerNorm, dtype=self.dtype, param_dtype=self.param_dtype,
+                                 **axes.norm_inits())
+        y = norm()(x)
         y = nn.MultiHeadDotProductAttention(
             num_heads=self.num_heads,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             attention_fn=_attention,
+            kernel_init=axes.kernel(axes.EMBED, axes.HEADS, axes.HEAD_DIM),
+            bias_init=axes.bias(axes.HEADS, axes.HEAD_DIM),
+            out_kernel_init=axes.kernel(axes.HEADS, axes.HEAD_DIM, axes.EMBED),
+            out_bias_init=axes.bias(axes.EMBED),
         )(y, y)
         y = nn.Dropout(self.dropout_rate)(y, deterministic=not train)
         x = x + y
-        y = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype)(x)
+        y = norm()(x)
         y = MlpBlock(self.mlp_dim, self.dropout_rate, self.dtype, self.param_dtype)(y, train)
         return x + y
 
@@ -127,19 +139,22 @@ class ViT(nn.Module):
             padding="VALID",
             dtype=self.dtype,
             param_dtype=self.param_dtype,
+            kernel_init=axes.kernel(axes.PATCH, axes.PATCH, axes.PATCH, axes.EMBED),
+            bias_init=axes.bias(axes.EMBED),
             name="patch_embedding",
         )(images)
         x = x.reshape(batch_size, -1, self.hidden_size)
 
         if self.pool == "cls":
             cls_token = self.param(
-                "cls_token", nn.initializers.zeros, (1, 1, self.hidden_size), self.param_dtype
+                "cls_token", axes.named(nn.initializers.zeros, None, None, axes.EMBED),
+                (1, 1, self.hidden_size), self.param_dtype
             )
             cls_tokens = jnp.broadcast_to(cls_token, (batch_size, 1, self.hidden_size))
             x = jnp.concatenate([cls_tokens.astype(x.dtype), x], axis=1)
         position_embedding = self.param(
             "position_embedding",
-            nn.initializers.normal(stddev=0.02),
+            axes.named(nn.initializers.normal(stddev=0.02), None, axes.POSITION, axes.EMBED),
             (1, x.shape[1], self.hidden_size),
             self.param_dtype,
         )
@@ -157,11 +172,14 @@ class ViT(nn.Module):
                 param_dtype=self.param_dtype,
                 name=f"encoder_block_{i}",
             )(x, train)
-        x = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name="encoder_norm")(x)
+        x = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name="encoder_norm",
+                         **axes.norm_inits())(x)
 
         x = x[:, 0] if self.pool == "cls" else x.mean(axis=1)
         logits = nn.Dense(
-            self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype, name="head"
+            self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype,
+            kernel_init=axes.kernel(axes.EMBED, axes.CLASSES), bias_init=axes.bias(axes.CLASSES),
+            name="head"
         )(x)
         # The loss (log-softmax) is computed in float32 whatever the compute dtype.
         return logits.astype(jnp.float32)

@@ -8,7 +8,10 @@ working layout and back.
 - pjit: `jax.jit` over the global state and batch. The gradient computation
   runs per device under `shard_map` (so accumulation and the reduction dtype
   are explicit and there is one gradient all-reduce); the optimizer update,
-  ZeRO/FSDP sharding and evaluation are partitioned by XLA.
+  ZeRO/FSDP sharding and evaluation are partitioned by XLA. With a model axis
+  the `shard_map` binds the data axes only: XLA partitions each layer over the
+  model axis from its params' shardings (`jdp.experiment.partitioning`), inserting the
+  activations' all-reduces, and the gradients reduce over the data axes alone.
 - pmap: a full replica of the state on each local device with a leading
   device axis; gradients reduced with one explicit `psum` over every device.
   pmap binds one axis name, so it maps `local` over all devices of all
@@ -29,7 +32,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp import DATA_AXIS, HOSTS_AXIS, LOCAL_AXIS
+from jdp import DATA_AXIS, HOSTS_AXIS, LOCAL_AXIS, MODEL_AXIS
+from jdp.experiment import partitioning
 from jdp.experiment.adapters import Model
 from jdp.experiment.task import Task
 from jdp.parallel import mesh as mesh_lib
@@ -52,6 +56,8 @@ class StepOptions:
     reduction: str = "flat"  # or "two_level"
     cross_host_reduce: str = "float32"  # two_level: what crosses hosts
     error_feedback: bool = True
+    # Logical axis name -> MODEL_AXIS or None: what a mesh's model axis splits.
+    axis_rules: tuple = ()
 
 
 def compiler_options(platform: str, remat: str, shard_params: bool = False) -> dict | None:
@@ -94,10 +100,12 @@ class Backend:
         self.options = options
         self._eval_step = None  # the backend's jitted or pmapped eval step
         self._compiled_eval_step = None
+        self._model_specs = None  # each param's split over the model axis, once known
 
-    def reducer(self, param_specs=None, optimizer_specs=None) -> Reducer:
+    def reducer(self, param_specs=None, optimizer_specs=None, model_specs=None) -> Reducer:
         """The gradient reduction strategy of these options over this mesh (the specs
-        are the state's: FSDP and ZeRO-1 need them to split the gradients)."""
+        are the state's over the data axes: FSDP and ZeRO-1 need them to split the
+        gradients; `model_specs` the gradients' over the model axis)."""
         opts = self.options
         return make_reducer(
             reduction=opts.reduction, reduce_dtype=opts.reduce_dtype,
@@ -105,7 +113,7 @@ class Backend:
             param_specs=param_specs, optimizer_specs=optimizer_specs,
             cross_host=opts.cross_host_reduce, error_feedback=opts.error_feedback,
             hosts=self.mesh.shape[HOSTS_AXIS], local=self.mesh.shape[LOCAL_AXIS],
-            fuse=self._on_cpu())
+            fuse=self._on_cpu(), model_specs=model_specs)
 
     def _on_cpu(self) -> bool:
         """Whether the mesh is XLA:CPU's, which runs many small kernels, each at a fixed
@@ -113,23 +121,45 @@ class Backend:
         return self.mesh.devices.flat[0].platform == "cpu"
 
     # -- state: the canonical form is global arrays over the mesh ----------------
-    def global_shardings(self, abstract_state: TrainState):
-        """Shardings of the canonical state (what init produces and checkpoints hold)."""
+    def global_shardings(self, abstract_state: TrainState, sample_inputs: tuple):
+        """Shardings of the canonical state (what init produces and checkpoints hold):
+        over the model axis as the params' names say, over the data axes as ZeRO/FSDP
+        say (on another dimension)."""
         mesh, opts = self.mesh, self.options
+        model_specs = self.model_specs(sample_inputs, abstract_state.params)
+        if model_specs is None:  # every leaf whole over the (absent) model axis
+            model_specs = jax.tree.map(lambda _: P(), abstract_state.params)
 
-        def shard(tree, mode):
-            return jax.tree.map(lambda x: mesh_lib.state_leaf_sharding(mesh, x, mode), tree)
+        optimizer_mode = opts.shard_params or opts.shard_optimizer_state
 
+        def optimizer_leaf(x, spec=mesh_lib.REPLICATED):
+            return mesh_lib.state_leaf_sharding(mesh, x, optimizer_mode, spec)
+
+        if mesh_lib.model_size(mesh) == 1:
+            opt_state = jax.tree.map(optimizer_leaf, abstract_state.opt_state)
+        else:  # each copy of the params in the optimizer state is split as the params
+            opt_state = optax.tree_map_params(self.tx, optimizer_leaf, abstract_state.opt_state,
+                                              model_specs, transform_non_params=optimizer_leaf)
         return TrainState(
             step=mesh_lib.replicated(mesh),
-            params=shard(abstract_state.params, opts.shard_params),
+            params=jax.tree.map(
+                lambda x, spec: mesh_lib.state_leaf_sharding(mesh, x, opts.shard_params, spec),
+                abstract_state.params, model_specs),
             model_state=_replicated_sharding_tree(mesh, abstract_state.model_state),
-            opt_state=shard(abstract_state.opt_state,
-                            opts.shard_params or opts.shard_optimizer_state),
+            opt_state=opt_state,
             rng=mesh_lib.replicated(mesh),
             residuals={name: NamedSharding(mesh, spec)
                        for name, spec in residual_specs(abstract_state.residuals).items()},
         )
+
+    def model_specs(self, sample_inputs: tuple, abstract_params):
+        """Each param's split over the model axis (`partitioning.model_specs`; None on a
+        mesh without one), read from the model once."""
+        if self._model_specs is None and mesh_lib.model_size(self.mesh) > 1:
+            self._model_specs = partitioning.model_specs(
+                self.model, sample_inputs, self.options.axis_rules,
+                mesh_lib.model_size(self.mesh), abstract_params)
+        return self._model_specs
 
     def abstract_state(self, rng: jax.Array, sample_inputs: tuple) -> TrainState:
         """Shapes, dtypes and canonical shardings of the state, without computing it.
@@ -138,14 +168,15 @@ class Backend:
         """
         init = functools.partial(init_state, self.model, self.tx, reducer=self.reducer())
         shapes = jax.eval_shape(init, rng, sample_inputs)
-        shardings = self.global_shardings(shapes)
+        shardings = self.global_shardings(shapes, sample_inputs)
         return jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
     def init_global(self, rng: jax.Array, sample_inputs: tuple) -> TrainState:
         """The initial state, created directly with its shardings (nothing on one device first)."""
         init = functools.partial(init_state, self.model, self.tx, reducer=self.reducer())
-        shardings = self.global_shardings(jax.eval_shape(init, rng, sample_inputs))
+        shardings = self.global_shardings(jax.eval_shape(init, rng, sample_inputs),
+                                          sample_inputs)
         return jax.jit(init, out_shardings=shardings)(rng, sample_inputs)
 
     def from_global(self, state, *, consume: bool = False):
@@ -271,7 +302,8 @@ class PjitBackend(Backend):
     def put_batch(self, local_batch):
         sharding = mesh_lib.batch_sharding(self.mesh)
         process_rows = next(iter(local_batch.values())).shape[0]
-        global_rows = process_rows * self.mesh.size // len(self.mesh.local_devices)
+        global_rows = (process_rows // mesh_lib.local_data_replicas(self.mesh)
+                       * mesh_lib.data_size(self.mesh))
         return {
             key: jax.make_array_from_process_local_data(
                 sharding, value, (global_rows, *value.shape[1:]))
@@ -279,13 +311,22 @@ class PjitBackend(Backend):
         }
 
     def _step_fn(self, param_specs, abstract_params):
-        """The train step; `param_specs` are the params' PartitionSpecs (FSDP shards them)."""
+        """The train step; `param_specs` are the params' PartitionSpecs (FSDP shards them
+        over the data axes, the model axis as their names say)."""
         opts, model, task, mesh = self.options, self.model, self.task, self.mesh
+        with_model_axis = mesh_lib.model_size(mesh) > 1
+        model_specs = (jax.tree.map(mesh_lib.model_part, param_specs)
+                       if with_model_axis else None)
         # ZeRO-1's optimizer state splits each param along one dimension (where it can).
         axis, size = mesh_lib.shard_axis(mesh, opts.shard_optimizer_state)
         optimizer_specs = jax.tree.map(
-            lambda x: mesh_lib.sharded_over_data(tuple(x.shape), size, axis), abstract_params)
-        reducer = self.reducer(param_specs, optimizer_specs)
+            lambda x, spec: mesh_lib.data_part(mesh_lib.sharded_over_data(
+                tuple(x.shape), size, axis, mesh_lib.model_part(spec))),
+            abstract_params, param_specs)
+        reducer = self.reducer(jax.tree.map(mesh_lib.data_part, param_specs),
+                               optimizer_specs, model_specs)
+        # The per-device function binds the data axes; XLA partitions the model axis.
+        manual_axes = frozenset((HOSTS_AXIS, LOCAL_AXIS)) if with_model_axis else frozenset()
 
         def device_grads(params, model_state, batch, rng, step, residuals):
             return step_lib.device_gradients(
@@ -302,11 +343,11 @@ class PjitBackend(Backend):
                 device_grads, mesh=mesh,
                 in_specs=(reducer.param_specs(), P(), P(DATA_AXIS), P(), P(), specs),
                 out_specs=(reducer.grad_specs(), P(), P(), specs),
-                check_vma=False,
+                axis_names=manual_axes, check_vma=False,
             )(state.params, state.model_state, batch, state.rng, state.step, state.residuals)
             return step_lib.apply_gradients(
                 self.tx, state, grads, model_state, metrics, opts.learning_rate_fn, residuals,
-                pack_norms=self._on_cpu() and not (opts.shard_params
+                pack_norms=self._on_cpu() and not (opts.shard_params or with_model_axis
                                                    or opts.shard_optimizer_state))
 
         return train_step
@@ -358,6 +399,9 @@ class PmapBackend(Backend):
         if opts.reduction != "flat":
             raise ValueError("the pmap backend reduces gradients flat; use the pjit backend "
                              f"for a {opts.reduction} reduction")
+        if MODEL_AXIS in self.mesh.shape:
+            raise ValueError("the pmap backend keeps a whole replica on every device; use the "
+                             "pjit backend with a model axis")
         reducer = self.reducer()
 
         def train_step(state, batch):

@@ -10,8 +10,10 @@ from jdp.experiment.components import Components
 from jdp.parallel.backends import Backend, StepOptions, compiler_options, make_backend
 
 
-def step_options(config, platform: str, device_preprocess=None) -> StepOptions:
-    """The train step's settings from the config, for devices of `platform`."""
+def step_options(config, platform: str, device_preprocess=None,
+                 axis_rules: tuple = ()) -> StepOptions:
+    """The train step's settings from the config, for devices of `platform` (and the
+    experiment's data preprocessing on the device and rules for the model axis)."""
     parallel = config.parallel
     return StepOptions(
         accum_steps=config.grad_accum_steps,
@@ -24,6 +26,7 @@ def step_options(config, platform: str, device_preprocess=None) -> StepOptions:
         reduction=parallel.reduction,
         cross_host_reduce=parallel.cross_host_reduce,
         error_feedback=parallel.error_feedback,
+        axis_rules=axis_rules,
     )
 
 
@@ -32,6 +35,6 @@ def build_backend(config, mesh: Mesh, components: Components,
     """The configured parallel backend for the experiment's model, task and data (its
     device preprocessing) with optimizer `tx` over `mesh`."""
     options = step_options(config, mesh.devices.flat[0].platform,
-                           components.data.device_preprocess)
+                           components.data.device_preprocess, components.axis_rules)
     return make_backend(config.parallel.backend, mesh, components.model, components.task, tx,
                         options)

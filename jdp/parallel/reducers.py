@@ -17,6 +17,9 @@ reduces the metric sums beside the gradients:
   and scatters stay inside hosts; `AcrossHosts` then sums each device's 1/L part
   of the gradient over the hosts, once per optimizer step, after accumulation
   (PyTorch FSDP's HYBRID_SHARD, MaxText's ici_fsdp x dcn_data).
+- With a model axis (`parallel.model_parallel`), any of them runs on each device's
+  own shard of the model-split gradients (`PerModelShard`): the gradients reduce over
+  the data axes only, and a device of each model group sums its own part.
 
 On CPU the all-reduces are fused: the leaves travel packed into a few flat buffers
 (`fused_psum`), one all-reduce each, as Horovod's tensor fusion and PyTorch DDP's
@@ -41,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jdp import DATA_AXIS, HOSTS_AXIS, LOCAL_AXIS
+from jdp import DATA_AXIS, HOSTS_AXIS, LOCAL_AXIS, MODEL_AXIS
 from jdp.parallel.mesh import sharded_over_data
 from jdp.parallel.two_level import RESIDUAL_SPECS, TwoLevel, param_count
 
@@ -280,6 +283,36 @@ class TwoLevelReducer(Reducer):
         return self.two_level.residual_shapes(param_count(params))
 
 
+@dataclasses.dataclass(frozen=True)
+class PerModelShard(Reducer):
+    """`inner`, run with the model axis bound by hand (a `shard_map` over it inside the
+    step's over the data axes): each device reduces its own shard of the gradients,
+    split as `model_specs` say, over the data axes; XLA adds nothing over the model
+    axis. (The step's forward and backward leave the model axis to XLA, which would
+    gather the shards a flattening reduction packs.)"""
+
+    inner: Reducer = Flat()
+    model_specs: Any = None  # each gradient's PartitionSpec over the model axis
+
+    def gather_params(self, params):
+        return self.inner.gather_params(params)
+
+    def reduce(self, grads, flat_sums, residuals):
+        return jax.shard_map(
+            self.inner.reduce, in_specs=(self.model_specs, P(), P()),
+            out_specs=(self.model_specs, P(), P()), axis_names={MODEL_AXIS},
+            check_vma=False)(grads, flat_sums, residuals)
+
+    def param_specs(self):
+        return self.inner.param_specs()
+
+    def grad_specs(self):
+        return self.inner.grad_specs()
+
+    def residual_shapes(self, params):
+        return self.inner.residual_shapes(params)
+
+
 def split_dim(spec: P) -> int | None:
     """The dimension a ZeRO/FSDP spec splits over the data axis (at most one), or None."""
     dims = [dim for dim, name in enumerate(spec) if name is not None]
@@ -290,7 +323,20 @@ def make_reducer(*, reduction: str = "flat", reduce_dtype: str = "float32",
                  shard_params=False, shard_optimizer_state=False,
                  param_specs=None, optimizer_specs=None, cross_host: str = "float32",
                  error_feedback: bool = True, hosts: int = 1, local: int = 1,
-                 fuse: bool = False) -> Reducer:
+                 fuse: bool = False, model_specs=None) -> Reducer:
+    """The strategy as configured (see `_strategy`), on each device's shard of the
+    gradients where `model_specs` split them over the model axis (`PerModelShard`)."""
+    reducer = _strategy(
+        reduction=reduction, reduce_dtype=reduce_dtype, shard_params=shard_params,
+        shard_optimizer_state=shard_optimizer_state, param_specs=param_specs,
+        optimizer_specs=optimizer_specs, cross_host=cross_host, error_feedback=error_feedback,
+        hosts=hosts, local=local, fuse=fuse)
+    return reducer if model_specs is None else PerModelShard(inner=reducer,
+                                                              model_specs=model_specs)
+
+
+def _strategy(*, reduction, reduce_dtype, shard_params, shard_optimizer_state, param_specs,
+              optimizer_specs, cross_host, error_feedback, hosts, local, fuse) -> Reducer:
     """The one place a strategy is chosen. FSDP's gradients are reduce-scattered as its
     params are gathered; ZeRO-1's are scattered to the optimizer state's shards unless
     the two-level reduction (which returns whole gradients) is asked for. The "host"

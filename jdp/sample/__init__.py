@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import numpy as np
 
@@ -90,7 +91,7 @@ def load(workdir: str, *, step: int | None = None, shard_params: bool | None = N
     compile_cache.enable(compile_cache.resolve_dir(config.get("compile_cache_dir", "")))
     model = _transformer(run.experiment.build_model(config))
     tokens = np.zeros((1, min(config.data.seq_len, model.max_len)), np.int32)
-    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens, train=False))
+    abstract = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), tokens, train=False)))
     abstract_params = abstract["params"]
     if shard_params is None:
         shard_params = _too_big_for_one_device(abstract_params)

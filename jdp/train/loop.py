@@ -145,14 +145,16 @@ def train_and_evaluate(config, workdir: str, experiment: Experiment, components:
     is_writer = jax.process_index() == 0
 
     # -- 1. Mesh and the batch layout ------------------------------------------
-    mesh = mesh_lib.make_mesh(config.parallel.mesh, devices, config.parallel.hosts)
+    mesh = mesh_lib.make_mesh(config.parallel.mesh, devices, config.parallel.hosts,
+                              config.parallel.model_parallel)
     rows = mesh_lib.process_rows(mesh, split.global_batch_size)
     eval_batch_size = config.eval_batch_size or split.global_batch_size
     eval_rows = mesh_lib.process_rows(mesh, eval_batch_size)
     logging.info("mesh %s over %d devices in %d processes; global batch %d = %d per process "
-                 "= %d per device x %d accumulation steps", dict(mesh.shape), mesh.size,
-                 jax.process_count(), split.global_batch_size, split.per_process_batch_size,
-                 split.micro_batch_size, split.grad_accum_steps)
+                 "= %d per data-parallel device (%d) x %d accumulation steps of %d",
+                 dict(mesh.shape), mesh.size, jax.process_count(), split.global_batch_size,
+                 rows.stop - rows.start, split.per_device_batch_size,
+                 split.data_parallel_size, split.grad_accum_steps, split.micro_batch_size)
 
     # -- 2. Data: this process's rows of each global batch -----------------------
     # A split that fits in memory is read once and batched by vectorised numpy; the

@@ -33,7 +33,10 @@ from jdp.runtime import compile_cache, storage
 from jdp.tune import agree, footprint, result, space, trial
 
 SCRATCH_DIR = "tune_scratch"
-FLOAT32_KNOBS = tuple(k for k in space.KNOBS if k not in space.NUMERICS_KNOBS)
+# The default search: every knob that keeps the float32 trajectory but the model axis, which
+# multiplies the candidates by the divisors of a host's devices (`--search` names it).
+FLOAT32_KNOBS = tuple(k for k in space.KNOBS
+                      if k not in (*space.NUMERICS_KNOBS, space.MODEL_PARALLEL))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,8 +269,11 @@ def _search(config, workdir: str, options: Options, explicit: list[dict] | None,
     unit = "tokens" if base.task.weight_unit == "tokens" else "examples"
     input_searched = (explicit is None and space.INPUT_KNOB in options.knobs
                       and _streams(base, config))
+    knobs = options.knobs
+    if base.model.axis_names(base.sample_inputs()) is None:  # nothing to split over a model axis
+        knobs = tuple(knob for knob in knobs if knob != space.MODEL_PARALLEL)
     overrides_list = explicit if explicit is not None else space.search_space(
-        config, options.knobs, setup.topo, input_searched)
+        config, knobs, setup.topo, input_searched)
     candidates = space.make_candidates(config, overrides_list, setup.topo)
     if not candidates:
         raise ConfigError("no legal candidate: every combination searched fails validation. "

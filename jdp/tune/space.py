@@ -3,9 +3,11 @@
 candidate that fits rule out others without compiling them.
 
 The global batch, model, optimizer, data and seed never change. Every knob but two keeps
-the float32 trajectory; `compute_dtype` and `cross_host_reduce` change the numerics and
-are searched only when asked for (`allow_numerics_change`). Which combinations are legal
-is what `jdp.config.validate` says, never a second copy of its rules.
+the float32 trajectory (`model_parallel` too: the same global batch, split over fewer
+data-parallel devices, each layer over more model devices); `compute_dtype` and
+`cross_host_reduce` change the numerics and are searched only when asked for
+(`allow_numerics_change`). Which combinations are legal is what `jdp.config.validate`
+says, never a second copy of its rules.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from jdp.errors import ConfigError
 from jdp.models.remat import REMAT_BY_STRENGTH
 
 ACCUM, REMAT = "grad_accum_steps", "remat"
+MODEL_PARALLEL = "model_parallel"  # searched only for a model whose params name their axes
 # `--search` names, in the order the product is formed: remat and accumulation are the
 # innermost loops, so that within a group of the other knobs they run weakest first.
-PROGRAM_KNOBS = ("backend", "sharding", "reduction", "compute_dtype", "cross_host_reduce",
-                 REMAT, ACCUM)
+PROGRAM_KNOBS = ("backend", MODEL_PARALLEL, "sharding", "reduction", "compute_dtype",
+                 "cross_host_reduce", REMAT, ACCUM)
 NUMERICS_KNOBS = ("compute_dtype", "cross_host_reduce")
 INPUT_KNOB = "input"  # input workers: the same program, so searched on the fastest one only
 KNOBS = (*PROGRAM_KNOBS, INPUT_KNOB)
@@ -100,6 +103,10 @@ def _knob_options(knob: str, config, topo: Topology) -> list[dict]:
         return [{REMAT: name} for name in REMAT_BY_STRENGTH]
     if knob == "backend":
         return [{"parallel.backend": b} for b in _base_first(BACKENDS, parallel.backend)]
+    if knob == MODEL_PARALLEL:  # the model axis stays inside a host
+        per_host = topo.device_count // topo.hosts
+        return [{"parallel.model_parallel": m}
+                for m in _base_first(_divisors(per_host), parallel.model_parallel)]
     if knob == "sharding":
         base = (parallel.shard_optimizer_state, parallel.shard_params)
         return [{"parallel.shard_optimizer_state": o, "parallel.shard_params": p}
