@@ -25,7 +25,7 @@ from jdp import main as jdp_main
 from jdp.config import paths, tuned
 from jdp.config.checks import get
 from jdp.data import splits, streamed
-from jdp.errors import ConfigError, first_line
+from jdp.errors import ConfigError, quoted
 from jdp.experiment import components as components_lib
 from jdp.experiment import loader
 from jdp.experiment.loader import Experiment
@@ -126,7 +126,7 @@ def _measure(config, candidate: space.Candidate, options: Options, setup: _Setup
         found = [measured.needed_bytes, measured.reported_capacity_bytes, None]
     except Exception as e:  # noqa: BLE001 - any failure of this one candidate's compile
         logging.exception("tune: compiling #%d from shapes failed", candidate.index)
-        found = [None, None, f"{type(e).__name__}: {first_line(e, 120)}"]
+        found = [None, None, quoted(e)]
     return agree.from_process_0(found)
 
 

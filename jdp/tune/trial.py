@@ -18,7 +18,7 @@ import time
 import jax
 from absl import logging
 
-from jdp.errors import first_line
+from jdp.errors import quoted
 from jdp.observe.writers import read_metrics
 from jdp.tune import agree
 
@@ -94,7 +94,7 @@ def run_trial(run, config, workdir: str) -> Speed | None:
             run(config, workdir)
         except Exception as e:  # noqa: BLE001 - this candidate's failure, not the search's
             logging.exception("tune: the trial in %s failed", workdir)
-            failure = f"{type(e).__name__}: {first_line(e, 120)}"
+            failure = quoted(e)
         speed = None if failure else agree.from_process_0(_read_speed(workdir))
     finally:
         agree.barrier(f"jdp.tune trial {workdir}")  # every process is done with it
