@@ -197,7 +197,12 @@ def test_two_processes_write_the_store_one_process_writes_bitwise(formats, bpe, 
         made[processes] = store.prepare_split(files, tokenizer, str(tmp_path / f"p{processes}"),
                                               eval_fraction=0.2, processes=processes,
                                               progress=reports.append)
-    assert reports[-1].shards_tokenized == reports[-1].shards_total >= 4
+    final = reports[-1]
+    assert final.shards_tokenized == final.shards_total >= 4
+    # Each shard counted once: the workers claim what they take from each other's lists.
+    assert final.documents == made[2][0].num_documents + made[2][1].num_documents
+    assert final.text_bytes == made[2][0].num_bytes + made[2][1].num_bytes
+    assert final.input_done == final.input_total
     for split in ("train", "eval"):
         assert _store_bytes(tmp_path / "p1" / split) == _store_bytes(tmp_path / "p2" / split)
         one, two = (json.loads((tmp_path / p / split / "manifest.json").read_text())
@@ -217,7 +222,7 @@ reports = []
 made = store.prepare(corpus.expand_files(value, "files"), tokenizers.ByteTokenizer(), directory,
                      processes=1, share=(index, 2), progress=reports.append, wait_s=120)
 print(json.dumps({"tokenized": reports[-1].shards_tokenized, "total": reports[-1].shards_total,
-                  "documents": made.num_documents}))
+                  "documents": made.num_documents, "counted": reports[-1].documents}))
 """
 
 
@@ -233,6 +238,8 @@ def test_hosts_sharing_the_work_write_one_store(formats, tmp_path):
     # Between them every shard was tokenized (a shard done twice is the same bytes).
     assert sum(r["tokenized"] for r in results) >= results[0]["total"]
     assert results[0]["documents"] == results[1]["documents"]
+    # A shard the other process committed first is not in this one's count.
+    assert sum(r["counted"] for r in results) == results[0]["documents"]
     _prepare(formats["hf_disk"], tmp_path / "alone", processes=1)
     assert _store_bytes(directory) == _store_bytes(tmp_path / "alone")
     assert sorted(os.listdir(tmp_path)) == ["alone", "shared"]  # the shards are gone

@@ -17,7 +17,11 @@ this module, `python -m jdp.data.text.shards`: safe after JAX has started thread
 and needing nothing of the caller's main script), each tokenizing with one thread;
 with `share=(i, n)` process i of n (hosts sharing the work directory) first tokenizes
 shards i, i+n, ... and then helps with any the others have not finished, so none
-waits on a dead or slow peer. A shard done twice is the same bytes.
+waits on a dead or slow peer. The workers of one machine claim each shard before they
+start it (a file created exclusively in a directory of that call), so that a worker
+that has finished its own shards takes only those no worker has started; shards are
+done twice only across machines, where it is the same bytes, and the progress counts
+a shard another process committed first once.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -244,9 +249,11 @@ def _documents(job: Job, shard: list) -> Iterator[tuple[str | None, int]]:
 
 
 def tokenize_shard(job: Job, index: int, counters: _Counters) -> bool:
-    """Writes shard `index` unless it is finished; True if this call tokenized it."""
+    """Writes shard `index` unless it is finished; True if this call tokenized it. What
+    it counted is taken back if another process commits the shard first."""
     if finished(job.directory, index):
         return False
+    counted = _Counters(counters.add)
     tokenizer = job.tokenizer
     final = shard_dir(job.directory, index)
     temporary = f"{final}.tmp-{leftovers.tag()}-{secrets.token_hex(4)}"
@@ -268,14 +275,14 @@ def tokenize_shard(job: Job, index: int, counters: _Counters) -> bool:
             writers[which].add(ids, size)
             documents += 1
             text_bytes += size
-        counters.add(documents, text_bytes, 0)
+        counted.add(documents, text_bytes, 0)
         batch.clear()
 
     try:
         chars = 0
         for text, piece_bytes in _documents(job, job.shards[index]):
             if text is None:
-                counters.add(0, 0, piece_bytes)
+                counted.add(0, 0, piece_bytes)
                 continue
             data = text.encode("utf-8")
             which = int(held_out(data, job.eval_fraction)) if job.eval_fraction > 0 else 0
@@ -296,6 +303,7 @@ def tokenize_shard(job: Job, index: int, counters: _Counters) -> bool:
         except OSError:  # another process finished the same shard first: same content
             if not finished(job.directory, index):
                 raise
+            counters.add(*(-value for value in counted.read()))  # counted by that process
             return False
         fsync_directory(job.directory)
         return True
@@ -349,7 +357,7 @@ class _Worker:
     """A tokenizing process of this machine: given the job and its shards (cloudpickle,
     so tokenizers defined in a script travel too), it reports on stdout."""
 
-    def __init__(self, job: Job, indices: list[int], counters: _Counters) -> None:
+    def __init__(self, job: Job, indices: list[int], claims: str, counters: _Counters) -> None:
         # This process's import path, so that the worker imports what it imported (jdp
         # from a checkout, a tokenizer's module), as multiprocessing's spawn does.
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false",
@@ -364,7 +372,7 @@ class _Worker:
         for thread in self._threads:
             thread.start()
         with contextlib.suppress(BrokenPipeError):  # it died at start: wait() says why
-            self.process.stdin.write(cloudpickle.dumps((job, indices)))
+            self.process.stdin.write(cloudpickle.dumps((job, indices, claims)))
             self.process.stdin.close()
 
     def _read_stdout(self, counters: _Counters) -> None:
@@ -398,10 +406,20 @@ class _Worker:
 BAD_INPUT = 2  # a worker's exit status for a ConfigError
 
 
+def claim(claims: str, index: int) -> bool:
+    """Whether this worker may tokenize shard `index`: no worker of this machine's call
+    has claimed it (the claim is a file in `claims`, created exclusively)."""
+    try:
+        os.close(os.open(os.path.join(claims, str(index)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 def _worker_main() -> None:
     from jdp.data.text import tokenizers
 
-    job, indices = cloudpickle.load(sys.stdin.buffer)
+    job, indices, claims = cloudpickle.load(sys.stdin.buffer)
     tokenizers.use_one_thread()
 
     def report(documents: int, text_bytes: int, input_bytes: int) -> None:
@@ -409,7 +427,7 @@ def _worker_main() -> None:
 
     try:
         for index in indices:
-            if tokenize_shard(job, index, _Counters(report)):
+            if claim(claims, index) and tokenize_shard(job, index, _Counters(report)):
                 print(f"tokenized {index}", flush=True)
     except ConfigError as e:
         print(e, file=sys.stderr, flush=True)
@@ -456,8 +474,9 @@ def tokenize(job: Job, *, processes: int, share: tuple[int, int],
         return report(final=True)
 
     count = min(processes, len(todo))
+    claims = tempfile.mkdtemp(prefix="jdp-shard-claims-")
     # Worker j: its own part of this machine's list, then the others' from the end.
-    workers = [_Worker(job, [todo[i] for i in order(len(todo), (j, count))], totals)
+    workers = [_Worker(job, [todo[i] for i in order(len(todo), (j, count))], claims, totals)
                for j in range(count)]
     try:
         while any(worker.process.poll() is None for worker in workers):
@@ -473,6 +492,7 @@ def tokenize(job: Job, *, processes: int, share: tuple[int, int],
     finally:
         for worker in workers:
             worker.kill()
+        shutil.rmtree(claims, ignore_errors=True)
     tokenized = sum(worker.tokenized for worker in workers)
     return report(final=True)
 
