@@ -27,14 +27,26 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
     os.environ["JDP_COMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="jdp-compile-cache-")
     atexit.register(shutil.rmtree, os.environ["JDP_COMPILE_CACHE_DIR"], ignore_errors=True)
 
+# Every Python process a test starts loads tests/site/sitecustomize.py, and this one
+# installs the same: the compilation cache's entries are deserialized once per process
+# and, on CPU, keyed alike in every process of a multi-process job (tests/site/
+# cache_reuse.py says why).
+_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_SITE, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+sys.path.insert(0, _SITE)
+import cache_reuse  # noqa: E402
+
 # In a multi-process job only process 0 compiles each program; the others wait for it
 # and load the same executable (jax's own sharing through the coordination service).
 # Real hosts compile side by side at no cost in time; here the job's processes share
 # 2 cores. cache_reuse.py keys a program alike in every process, so the others find
 # it (a process that traced another program waits on a key that never comes, and
-# fails after the timeout: a divergence still shows).
-os.environ.setdefault("JAX_SHARE_BINARY_BETWEEN_HOSTS", "true")
-os.environ.setdefault("JAX_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS", "240000")
+# fails after the timeout: a divergence still shows). Only where sharing works on CPU
+# (cache_reuse.sharing_programs_works says where it does not).
+if cache_reuse.sharing_programs_works():
+    os.environ.setdefault("JAX_SHARE_BINARY_BETWEEN_HOSTS", "true")
+    os.environ.setdefault("JAX_SHARE_BINARY_BETWEEN_HOSTS_TIMEOUT_MS", "240000")
 
 # XLA:CPU compiles the tests' programs for a short compile, not for fast code: LLVM at
 # optimisation level 0 (users' runs: 2) and XLA's older fusion emitters (users': the
@@ -58,16 +70,6 @@ os.environ.setdefault("XLA_FLAGS", " ".join(
     ["--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"]
     + [f"--{name}={str(value).lower()}"
        for name, value in cpu_fusion_emitters_option(False).items()]))
-
-# Every Python process a test starts loads tests/site/sitecustomize.py, and this one
-# installs the same: the compilation cache's entries are deserialized once per process
-# and, on CPU, keyed alike in every process of a multi-process job (tests/site/
-# cache_reuse.py says why).
-_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    [_SITE, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
-sys.path.insert(0, _SITE)
-import cache_reuse  # noqa: E402
 
 cache_reuse.install_when_jax_loads()
 

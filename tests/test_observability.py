@@ -136,7 +136,9 @@ def test_packed_norms_equal_leaf_by_leaf_norms_in_one_reduction():
     np.testing.assert_allclose(float(step_lib.global_norm(tree)), float(optax.tree.norm(tree)))
     program = packed.lower(tree).compile().as_text()
     entry = program[program.index("ENTRY"):]
-    assert entry.count("concatenate(") == 1
+    # One concatenation in the whole program (jax 0.10.2 keeps it in the entry, the XLA of
+    # jaxlib 0.11.1 and later inside a fusion).
+    assert program.count("concatenate(") == 1
     assert entry.count(" fusion(") < 10  # leaf by leaf: at least one per leaf
 
 

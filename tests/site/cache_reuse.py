@@ -21,6 +21,20 @@ argument noted below); where those are missing nothing changes.
 
 import importlib.abc
 import sys
+from importlib import metadata
+
+
+def sharing_programs_works() -> bool:
+    """Whether jax's sharing of compiled programs between the processes of a CPU job
+    works with this jaxlib (read without importing jax, whose configuration reads the
+    sharing variable at import). On jaxlib 0.12.1 the processes of a job that share
+    programs hang in their first train step: both hold the program and wait for the
+    step's results (the suite's multi-process tests and the network benchmark's job,
+    which pass with each process compiling its own). Not traced further; taken as from
+    the XLA of jaxlib 0.11.1, where XLA:CPU's other differences begin. jdp never shares
+    programs itself."""
+    version = tuple(int(part) for part in metadata.version("jaxlib").split(".")[:3])
+    return version < (0, 11, 1)
 
 _PATCHED = set()
 

@@ -20,6 +20,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.eval_every_steps = 0
     config.checkpoint.every_steps = 4
     config.tensorboard = False
+    # jdp's default when the checkpoint was written (now 0.03): a run resumes only with
+    # its saved config, so the experiment keeps the value it was saved with.
+    config.data.eval_fraction = 0.01
     return config
 
 
