@@ -270,3 +270,17 @@ def test_the_network_benchmark_counts_the_bytes_its_model_predicts(capsys):
         counted, modelled = map(float, re.search(
             r"link\s+(\d+\.\d+) MiB/step \(modelled\s+(\d+\.\d+)\)", row).groups())
         assert counted == pytest.approx(modelled, rel=0.1), row
+
+
+@pytest.mark.slow
+def test_a_network_benchmark_job_that_measures_nothing_is_stopped_and_its_testbed_deleted():
+    """A job that never reports (here: one given less time than its first compile) is not
+    waited for forever: it is stopped after the silence limit, with one message, and
+    leaves no namespace behind."""
+    from jdp.bench.__main__ import main
+
+    before = set(netns.existing_namespaces())
+    with pytest.raises(SystemExit, match=r"measured nothing for 2 s before .*killed"):
+        main(["network", "--modes=flat", "--rates_mbit=1000", "--width=256", "--steps=1",
+              "--repeats=1", "--warmup=1", "--silence_limit_s=2"])
+    assert set(netns.existing_namespaces()) <= before

@@ -37,6 +37,7 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -68,6 +69,9 @@ def add_arguments(parser, name: str) -> None:
                              "link runs first: the model's calibration)")
     parser.add_argument("--modes", type=_modes, default=",".join(REDUCTIONS),
                         help=f"reductions to measure, flat first: {', '.join(REDUCTIONS)}")
+    parser.add_argument("--silence_limit_s", type=float, default=900,
+                        help="give up when the job has measured nothing for this long "
+                             "(compiling every mode's step comes first)")
     _add_model_arguments(parser)
 
 
@@ -345,6 +349,23 @@ def _phase(rows: list[dict], phase: int) -> Phase:
     return Phase(out[False], out[True])
 
 
+def _stop(proc: subprocess.Popen, netns) -> None:
+    """Stops the launcher: its first SIGTERM is forwarded to the job (a stop notice, which
+    a job stuck in a collective does not act on), its second kills the job's processes,
+    after which it deletes its testbed; SIGKILL if it is still there, and then the
+    testbed of the dead launcher is deleted here."""
+    for _ in range(2):
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    proc.kill()
+    proc.wait()
+    netns.remove_leftovers()
+
+
 def _run_job(rates: list[float], args) -> list[Phase]:
     """One job on 2 emulated hosts, measuring at each of `rates` (Mbit/s; 0: unshaped)
     in turn: the link is set, then the job is told to go on (a file per phase)."""
@@ -368,13 +389,23 @@ def _run_job(rates: list[float], args) -> list[Phase]:
         for reader in readers:
             reader.start()
 
+        heard = [0, time.monotonic()]  # rows seen, when the last one came
+
         def wait_for(condition, what: str) -> None:
             while not condition():
+                if len(rows) != heard[0]:
+                    heard[:] = [len(rows), time.monotonic()]
                 if proc.poll() is not None:
                     for reader in readers:
                         reader.join(timeout=10)
                     raise SystemExit(f"network: the job ended (status {proc.returncode}) "
                                      f"before {what}:\n{''.join(errors)[-4000:]}")
+                if time.monotonic() - heard[1] > args.silence_limit_s:
+                    _stop(proc, netns)
+                    raise SystemExit(
+                        f"network: the job measured nothing for {args.silence_limit_s:g} s "
+                        f"before {what} (a collective that never completes?); killed. "
+                        f"Its last output:\n{''.join(errors)[-4000:]}")
                 time.sleep(0.1)
 
         bed = netns.Testbed(2, owner=proc.pid)
