@@ -1,9 +1,11 @@
 """Helpers for tests that run the real trainer in-process with tiny settings."""
 
+import collections
 import contextlib
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -259,9 +261,26 @@ def two_processes_command(command, devices_per_process: int = 4, *launcher_flags
 
 def run_two_processes(command, devices_per_process: int = 4,
                       timeout: float = 600) -> subprocess.CompletedProcess:
-    """`two_processes_command(COMMAND)` run to its end from the repository root."""
-    return run_to_end(two_processes_command(command, devices_per_process), env=main_env(),
+    """`two_processes_command(COMMAND)` run to its end from the repository root. A job that
+    failed has its stderr end with each process's last lines, so that the tail a test
+    shows names the process that failed first, not only the other's abort."""
+    done = run_to_end(two_processes_command(command, devices_per_process), env=main_env(),
                       timeout=timeout)
+    if done.returncode != 0:
+        done.stderr += each_process_last_lines(done.stderr)
+    return done
+
+
+def each_process_last_lines(stderr: str, count: int = 15) -> str:
+    """The last `count` lines each process of a launch/local.py job wrote (its `[pN] `
+    prefix), native stack frames left out."""
+    lines = collections.defaultdict(list)
+    for line in stderr.splitlines():
+        match = re.match(r"\[p(\d+)\] ", line)
+        if match and not re.match(r"\s*@\s+0x", line[match.end():]):
+            lines[int(match.group(1))].append(line)
+    return "".join(f"\n--- process {index}'s last lines ---\n" + "\n".join(lines[index][-count:])
+                   for index in sorted(lines))
 
 
 def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.02) -> None:
