@@ -69,6 +69,22 @@ def test_packed_text_follows_one_trajectory_on_1_and_8_devices(corpus, eight_dev
     assert_same_trajectory(one, run)
 
 
+def test_a_process_that_looks_after_the_token_dir_was_published_takes_it(tmp_path):
+    """Process 0 can build a small corpus's directory and rename it into place between two
+    looks of another process, which then must not wait for DIR.building any longer."""
+    from jdp.data.text import lm
+
+    intent = {"format": lm.DESCRIPTION_FORMAT, "version": 1,
+              **dict.fromkeys(lm.DESCRIBED, "")}
+    directory, building = tmp_path / "tokens", tmp_path / f"tokens.{lm.BUILDING}"
+    directory.mkdir()
+    (directory / lm.DESCRIPTION).write_text(json.dumps(intent))
+    assert lm._wait_for_building(str(building), str(directory), intent) is False
+    building.mkdir()
+    (building / lm.DESCRIPTION).write_text(json.dumps(intent))
+    assert lm._wait_for_building(str(building), str(directory), intent) is True
+
+
 @pytest.mark.slow
 def test_packed_text_follows_one_trajectory_on_2_processes_of_4_devices(corpus, eight_devices,
                                                                        tmp_path):

@@ -332,8 +332,8 @@ def _make(directory: str, data_config, check, progress, *, prepared: bool, repla
     try:
         if leader:
             _start_building(building, intent)
-        else:
-            _wait_for_building(building, intent)
+        elif not _wait_for_building(building, directory, intent):
+            return _wait_for(directory, data_config, prepared)  # already published
         tokenizer = _trained_tokenizer(data_config, train_files, building, leader)
         options = dict(rebuild=True,  # DIR.building is this build's own
                        text_field=data_config.text_field,
@@ -379,11 +379,16 @@ def _start_building(building: str, intent: dict) -> None:
         os.replace(temporary, os.path.join(building, DESCRIPTION))
 
 
-def _wait_for_building(building: str, intent: dict) -> None:
-    """For processes other than 0: until process 0 has started DIR.building for `intent`."""
+def _wait_for_building(building: str, directory: str, intent: dict) -> bool:
+    """For processes other than 0: until process 0 has started DIR.building for `intent`
+    (True), or has already built it and renamed it onto DIR (False: a small corpus can be
+    done between two looks)."""
     deadline = time.monotonic() + WAIT_FOR_STORE_S
-    while not (os.path.isfile(os.path.join(building, DESCRIPTION))
-               and read_description(building) == intent):
+    while True:
+        if read_description(building) == intent:
+            return True
+        if read_description(directory) == intent:
+            return False
         if time.monotonic() >= deadline:
             raise TimeoutError(f"{building} was not started within {WAIT_FOR_STORE_S:g} s. "
                                "Fix: check that process 0 is running and can write there.")
