@@ -242,7 +242,9 @@ index, directory, value = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 reports = []
 made = store.prepare(corpus.expand_files(value, "files"), tokenizers.ByteTokenizer(), directory,
                      processes=1, share=(index, 2), progress=reports.append, wait_s=120)
-print(json.dumps({"tokenized": reports[-1].shards_tokenized, "total": reports[-1].shards_total,
+# A process that looks after process 0 has published the store tokenizes nothing.
+print(json.dumps({"tokenized": reports[-1].shards_tokenized if reports else 0,
+                  "total": reports[-1].shards_total if reports else None,
                   "documents": made.num_documents}))
 """
 

@@ -574,6 +574,13 @@ def _prepare(files: Sequence[str], tokenizer, directory: str, eval_fraction: flo
         planned = shards.plan(job.files, options.text_field)
         job = dataclasses.replace(job, shards=planned,
                                   directory=_work_dir(directory, wanted, planned))
+        if options.share[0] != 0 and not options.rebuild:
+            # Process 0 may have published the store since this process looked: then the
+            # work directory is a new one of this process's, with nothing to do in it.
+            stores = _reusable(directory, wanted, rebuild=False)
+            if stores is not None:
+                shutil.rmtree(job.directory, ignore_errors=True)
+                return stores if options.wait_for_merge else []
         shards.tokenize(job, processes=options.processes or shards.available_cores(),
                         share=options.share,
                         progress=options.progress or _log_progress(directory))
